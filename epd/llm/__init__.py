@@ -1,0 +1,1 @@
+"""LLM engine: KV block manager, scheduler, model runner, sampler, server."""
