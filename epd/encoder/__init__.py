@@ -1,0 +1,1 @@
+"""The encoder stage: media loading, preprocessing, batched encoding and its server."""
