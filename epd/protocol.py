@@ -343,7 +343,9 @@ class ChatCompletionRequest(_SamplingRequest):
     response_format: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
-    encoder_result: EncoderResult | None = None  # EPD extension, set by the proxy
+    # EPD extension, set by the proxy: one result, or one per encoder when the images were
+    # split across encoders; their images, concatenated in order, follow the messages.
+    encoder_result: EncoderResult | list[EncoderResult] | None = None
 
     @model_validator(mode="after")
     def _consistent(self) -> ChatCompletionRequest:
@@ -363,14 +365,22 @@ class ChatCompletionRequest(_SamplingRequest):
             _fail(name, "tools", "tool calling is not supported", code="unsupported_parameter")
         if self.tool_choice not in (None, "none", "auto"):
             _fail(name, "tool_choice", "tool calling is not supported", code="unsupported_value")
-        if self.encoder_result is not None and len(self.encoder_result.images) != self.num_images:
+        n_encoded = sum(len(r.images) for r in self.encoder_results)
+        if self.encoder_result is not None and n_encoded != self.num_images:
             _fail(
                 name,
                 "encoder_result",
-                f"has {len(self.encoder_result.images)} images but the messages have "
-                f"{self.num_images}",
+                f"has {n_encoded} images but the messages have {self.num_images}",
             )
         return self
+
+    @property
+    def encoder_results(self) -> list[EncoderResult]:
+        if self.encoder_result is None:
+            return []
+        if isinstance(self.encoder_result, list):
+            return list(self.encoder_result)
+        return [self.encoder_result]
 
     @property
     def num_images(self) -> int:
