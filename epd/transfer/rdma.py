@@ -41,15 +41,15 @@ class _RdmaPart:
     """A dlslime read future waited on by a daemon thread."""
 
     def __init__(self, future: Any) -> None:
-        self.status: int | None = None
+        self.result_code: int | None = None
         self._future = future
         threading.Thread(target=self._wait, name="epd-rdma-wait", daemon=True).start()
 
     def _wait(self) -> None:
         try:
-            self.status = int(self._future.wait())
+            self.result_code = int(self._future.wait())
         except Exception:
-            self.status = -1
+            self.result_code = -1
 
 
 class RdmaTransferEngine(DlslimeTransferEngine):
@@ -94,4 +94,4 @@ class RdmaTransferEngine(DlslimeTransferEngine):
         return _RdmaPart(endpoint.read(assign))
 
     def _check_part(self, part: _RdmaPart) -> int | None:
-        return part.status
+        return part.result_code
