@@ -1,0 +1,75 @@
+"""Flags of `epd serve --role llm|prefill|decode` and the configs built from them."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+_SIZE_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9,
+               "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_bytes(text: str) -> int:
+    """'256MiB' / '1GiB' / '500MB' / '1048576' -> bytes."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", str(text))
+    if not m or m.group(2).lower() not in _SIZE_UNITS:
+        raise ValueError(f"not a size: {text!r} (use e.g. 256MiB, 2GiB or a byte count)")
+    return int(float(m.group(1)) * _SIZE_UNITS[m.group(2).lower()])
+
+
+def add_arguments(parser, role: str = "llm") -> None:
+    parser.add_argument("--model", required=True, help="checkpoint directory (HF layout)")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--served-model-name", default=None,
+                        help="the `model` clients must send (default: the model dir's name)")
+    parser.add_argument("--vision", choices=("local", "none"), default="none",
+                        help="local: run the vision tower in this process (colocated mode)")
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--num-blocks", type=int, default=None)
+    parser.add_argument("--kv-cache-memory", type=parse_bytes, default="256MiB",
+                        help="KV cache budget when --num-blocks is not given (e.g. 256MiB)")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    parser.add_argument("--max-num-seqs", type=int, default=64)
+    parser.add_argument("--max-model-len", type=int, default=None)
+    parser.add_argument("--no-prefix-caching", action="store_true")
+    parser.add_argument("--allowed-local-media-path", default=None)
+    parser.add_argument("--allowed-media-domains", nargs="*", default=None)
+    parser.add_argument("--limit-images-per-request", type=int, default=8)
+    parser.add_argument("--proxy-url", default=None, help="register with this epd proxy")
+    parser.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"),
+                        default="auto")
+    parser.add_argument("--device", default="auto", help="auto | cpu | cuda[:N]")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--log-level", default="info",
+                        choices=("debug", "info", "warning", "error"))
+
+
+def engine_config_from_args(args) -> Any:
+    from epd.llm.config import EngineConfig
+
+    return EngineConfig(
+        model_dir=args.model,
+        block_size=args.block_size,
+        num_blocks=args.num_blocks,
+        kv_cache_memory_bytes=args.kv_cache_memory,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_num_seqs=args.max_num_seqs,
+        max_model_len=args.max_model_len,
+        enable_prefix_caching=not args.no_prefix_caching,
+        vision=args.vision,
+        dtype=args.dtype,
+        device=args.device,
+        seed=args.seed,
+    )
+
+
+def media_config_from_args(args) -> Any:
+    from epd.encoder.media import MediaConfig
+
+    domains = tuple(args.allowed_media_domains) if args.allowed_media_domains else None
+    return MediaConfig(
+        allowed_local_media_path=args.allowed_local_media_path,
+        allowed_media_domains=domains,
+        limit_images_per_request=args.limit_images_per_request,
+    )
