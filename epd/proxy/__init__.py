@@ -1,0 +1,1 @@
+"""The proxy: the single OpenAI-compatible front door (node registry, routing, E -> LLM relay)."""
