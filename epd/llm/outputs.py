@@ -1,0 +1,52 @@
+"""What the engine hands back: per-step request outputs and engine statistics."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from epd.llm.sequence import TokenLogprob
+
+
+@dataclass
+class RequestOutput:
+    """Incremental output of one request for one engine step (deltas + running totals)."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_text: str
+    new_logprobs: list[TokenLogprob] = field(default_factory=list)
+    finished: bool = False
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    stop_reason: str | int | None = None  # the stop string / token id that matched
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+    num_cached_tokens: int = 0
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    kv_blocks_total: int
+    kv_blocks_free: int
+    kv_blocks_used: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    prefix_cache_hit_rate: float
+    num_generated_tokens: int
+    num_prompt_tokens_computed: int
+    num_preemptions: int
+    num_steps: int
+
+
+@dataclass
+class GenerationOutput:
+    """A finished request in the offline API."""
+
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None
+    num_prompt_tokens: int
+    num_cached_tokens: int = 0
+    logprobs: list[TokenLogprob] = field(default_factory=list)

@@ -1,0 +1,99 @@
+"""A request inside the LLM engine.
+
+Invariants: `token_ids == prompt_token_ids + output_token_ids`; tokens
+`[0, num_computed_tokens)` have their K/V in the sequence's blocks; `status` changes only
+through `epd.statemachine.transition()`. Image items cover placeholder spans of the
+prompt; their feature rows are spliced into the input embeddings at those positions.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from epd.llm.detokenizer import DetokState
+from epd.llm.sampling_params import SamplingParams
+from epd.statemachine import SeqStatus, StatusTracked, init_status
+
+_arrival_counter = itertools.count()
+
+
+@dataclass
+class MMItem:
+    offset: int  # first placeholder position in the prompt
+    length: int  # number of placeholder tokens (= feature rows)
+    mm_hash: str
+    image: Any = None  # epd.models ImageInput (local vision) or None
+    features: torch.Tensor | None = None  # [length, hidden] once encoded / migrated
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.length
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()  # (token id, logprob), best first
+
+
+@dataclass(kw_only=True)
+class Sequence(StatusTracked):
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    mm_items: list[MMItem] = field(default_factory=list)
+    output_token_ids: list[int] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0  # prefix-cache hit at the first allocation
+    block_hashes: list[bytes] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    arrival_time: float = field(default_factory=time.time)
+    arrival_index: int = field(default_factory=lambda: next(_arrival_counter))
+    first_token_time: float | None = None
+    finished_time: float | None = None
+    num_preemptions: int = 0
+    generator: torch.Generator | None = None
+    detok: DetokState = field(default_factory=DetokState)
+    stop_reason: str | int | None = None
+
+    def __post_init__(self) -> None:
+        self.prompt_token_ids = list(self.prompt_token_ids)
+        self.token_ids = list(self.prompt_token_ids) + list(self.output_token_ids)
+        self.mm_items = sorted(self.mm_items, key=lambda m: m.offset)
+        if self.sampling.seed is not None:
+            self.generator = torch.Generator().manual_seed(self.sampling.seed)
+        if not self.status_history:
+            init_status(self, SeqStatus.WAITING)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def text(self) -> str:
+        return self.detok.text
+
+    @property
+    def is_prefill_done(self) -> bool:
+        return self.num_computed_tokens >= self.num_tokens - 1
+
+    def append_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.token_ids.append(token_id)
+        if self.first_token_time is None:
+            self.first_token_time = time.time()

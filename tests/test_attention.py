@@ -1,0 +1,139 @@
+"""Paged attention: backends vs naive attention, and the transformers bridge vs sdpa."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaModel
+
+from epd.llm.attention import (
+    ATTN_IMPLEMENTATION,
+    BatchEntry,
+    available_backends,
+    build_attention_metadata,
+    get_backend,
+)
+from epd.llm.config import CacheLayout
+from epd.llm.kv_cache import PagedKVCache
+from epd.llm.positions import packed_positions
+
+BS = 4
+
+
+def naive(q, k, v, num_cached):
+    """q [L, H, D], k/v [ctx, KVH, D]: causal attention with a cached prefix."""
+    rep = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+    scores = torch.einsum("qhd,khd->hqk", q, k) / q.shape[-1] ** 0.5
+    L, ctx = q.shape[0], k.shape[0]
+    mask = torch.arange(ctx)[None, :] <= (torch.arange(L)[:, None] + num_cached)
+    scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
+
+
+def make_cache(layers=1, kv_heads=2, head_dim=8, num_blocks=16):
+    return PagedKVCache(CacheLayout(num_blocks, BS, layers, kv_heads, head_dim, "float32", 64))
+
+
+def test_registry():
+    assert {"cpu", "cuda"} <= set(available_backends())
+    with pytest.raises(ValueError, match="unknown attention backend"):
+        get_backend("nope")
+
+
+def test_cpu_backend_matches_naive_for_mixed_packed_batch():
+    torch.manual_seed(0)
+    cache = make_cache()
+    backend = get_backend("cpu")
+    H, KVH, D = 4, 2, 8
+    # Sequences: (block table, total tokens, tokens already cached before this step)
+    seqs = [([3, 7], 6, 5), ([0], 3, 2), ([1, 2, 5], 11, 4), ([9, 8], 7, 0)]
+    full_k = [torch.randn(n, KVH, D) for _, n, _ in seqs]
+    full_v = [torch.randn(n, KVH, D) for _, n, _ in seqs]
+    full_q = [torch.randn(n, H, D) for _, n, _ in seqs]
+    # Put the cached prefixes into the cache first.
+    for (table, _, c), k, v in zip(seqs, full_k, full_v, strict=True):
+        if c:
+            blocks = torch.tensor([table[p // BS] for p in range(c)])
+            cache.write(0, blocks, torch.arange(c) % BS, k[:c], v[:c])
+    entries = [BatchEntry(t, c, n - c) for t, n, c in seqs]
+    meta = build_attention_metadata(entries, BS, cache, backend, "cpu")
+    assert meta.num_decode_tokens == 2 and len(meta.prefills) == 2
+    q = torch.cat([fq[c:] for fq, (_, _, c) in zip(full_q, seqs, strict=True)])
+    k = torch.cat([fk[c:] for fk, (_, _, c) in zip(full_k, seqs, strict=True)])
+    v = torch.cat([fv[c:] for fv, (_, _, c) in zip(full_v, seqs, strict=True)])
+    out = backend.forward(0, q, k, v, meta, D**-0.5)
+    start = 0
+    for (_, n, c), fq, fk, fv in zip(seqs, full_q, full_k, full_v, strict=True):
+        expect = naive(fq[c:], fk, fv, c)
+        torch.testing.assert_close(out[start : start + n - c], expect, atol=1e-5, rtol=1e-5)
+        start += n - c
+
+
+def test_decode_groups_bound_padding():
+    from epd.llm.attention.metadata import _decode_groups
+
+    assert _decode_groups([1, 1, 1]) == [(0, 3)]
+    assert _decode_groups([1, 1, 2, 2, 2, 3, 3, 9, 9, 10]) == [(0, 2), (2, 7), (7, 10)]
+    cache = make_cache()
+    entries = [BatchEntry([i], 0, 1) for i in range(5)] + [BatchEntry([5, 6, 7, 8], 12, 1)]
+    meta = build_attention_metadata(entries, BS, cache, get_backend("cpu"), "cpu")
+    assert [(g.start, g.end) for g in meta.decodes] == [(0, 5), (5, 6)]
+    assert meta.decodes[0].block_tables.tolist() == [[0], [1], [2], [3], [4]]
+    assert meta.decodes[1].block_tables.tolist() == [[5, 6, 7, 8]]
+    assert meta.decodes[1].key_mask[:, 0, 0].sum(-1).tolist() == [13]
+    unsorted = [BatchEntry([5, 6, 7, 8], 12, 1), BatchEntry([0], 0, 1)]
+    meta = build_attention_metadata(unsorted, BS, cache, get_backend("cpu"), "cpu")
+    assert [(g.start, g.end) for g in meta.decodes] == [(0, 1), (1, 2)]
+
+
+def test_single_token_entries_must_come_first():
+    cache = make_cache()
+    with pytest.raises(ValueError, match="first"):
+        build_attention_metadata(
+            [BatchEntry([0, 1], 0, 5), BatchEntry([2], 3, 1)], BS, cache, get_backend("cpu"), "cpu"
+        )
+
+
+def test_positions():
+    assert packed_positions([(5, 1), (2, 1)]).tolist() == [[5, 2]]
+    assert packed_positions([(3, 1), (0, 3)]).tolist() == [[3, 0, 1, 2]]
+
+
+def test_hf_llama_with_epd_paged_matches_sdpa_chunked_and_decode():
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=64, max_position_embeddings=128,
+    )
+    ref = LlamaModel(cfg).eval()
+    cfg_paged = LlamaConfig(**cfg.to_dict())
+    cfg_paged._attn_implementation = ATTN_IMPLEMENTATION
+    paged = LlamaModel(cfg_paged).eval()
+    paged.load_state_dict(ref.state_dict())
+    cache = make_cache(layers=2, kv_heads=2, head_dim=8)
+    backend = get_backend("cpu")
+    a = torch.randint(0, 64, (13,))
+    b = torch.randint(0, 64, (6,))
+    with torch.inference_mode():
+        want_a = ref(input_ids=a[None], use_cache=False).last_hidden_state[0]
+        want_b = ref(input_ids=b[None], use_cache=False).last_hidden_state[0]
+        tables = {"a": [0, 1, 2, 3], "b": [4, 5]}
+        # Steps: a[0:5] + b[0:5] ; a[5:12] ; then decodes a[12], b[5] in one packed batch.
+        plan = [[("a", 0, 5), ("b", 0, 5)], [("a", 5, 7)], [("a", 12, 1), ("b", 5, 1)]]
+        got = {"a": [], "b": []}
+        toks = {"a": a, "b": b}
+        for step in plan:
+            step = sorted(step, key=lambda e: e[2] != 1)
+            ids = torch.cat([toks[r][c : c + n] for r, c, n in step])
+            entries = [BatchEntry(tables[r], c, n) for r, c, n in step]
+            meta = build_attention_metadata(entries, BS, cache, backend, "cpu")
+            pos = packed_positions([(c, n) for _, c, n in step])
+            hid = paged(input_ids=ids[None], position_ids=pos, use_cache=False,
+                        epd_attn_metadata=meta).last_hidden_state[0]
+            off = 0
+            for r, _, n in step:
+                got[r].append(hid[off : off + n])
+                off += n
+    torch.testing.assert_close(torch.cat(got["a"]), want_a, atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(torch.cat(got["b"]), want_b, atol=1e-5, rtol=1e-4)
