@@ -21,7 +21,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 logger = logging.getLogger(__name__)
 
-# Pydantic error types that we raise on purpose (protocol.py) and surface as `code`.
+# Pydantic error types that we raise on purpose (epd/protocol/) and surface as `code`.
 _PASSTHROUGH_CODES = frozenset({"unsupported_parameter", "unsupported_value"})
 _MSG_PREFIXES = ("Value error, ", "Assertion failed, ")
 # Locations that are not request fields: the body itself, and query/path/header sources.
@@ -112,7 +112,7 @@ def format_loc(loc: Sequence[Any]) -> str | None:
     """Pydantic location -> OpenAI param: ("body", "messages", 0, "content") -> messages[0].content.
 
     Union branch labels that pydantic inserts ("str", "list[...]", tags like "ImagePart")
-    are dropped: protocol.py names its union tags in CamelCase for this reason.
+    are dropped: epd/protocol/ names its union tags in CamelCase for this reason.
     """
     parts: list[str] = []
     for i, item in enumerate(loc):

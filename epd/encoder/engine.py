@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from epd.encoder import cache_setup
 from epd.encoder.batcher import Batcher, EncodeJob
 from epd.encoder.config import EncoderConfig
 from epd.encoder.metrics import EncoderMetrics
@@ -37,21 +38,6 @@ from epd.protocol import ImageFeatureRef
 logger = logging.getLogger(__name__)
 
 _SPACE_POLL_S = 0.1  # re-check for space at least this often while waiting
-
-
-def _make_cache(config: EncoderConfig, hidden: int, dtype: torch.dtype) -> MMCache:
-    bt, dev = config.mm_block_tokens, config.device
-    if config.mm_num_blocks is not None:
-        return MMCache(config.mm_num_blocks, bt, hidden, dtype, device=dev)
-    return MMCache.from_memory_budget(config.mm_cache_memory, bt, hidden, dtype, device=dev)
-
-
-def _resolve_dtype(name: str, spec: Any) -> torch.dtype:
-    if name == "auto":
-        name = getattr(spec, "dtype", None) or getattr(spec, "torch_dtype", None) or "float32"
-    if isinstance(name, torch.dtype):
-        return name
-    return getattr(torch, str(name).removeprefix("torch."))
 
 
 class EncoderEngine:
@@ -69,13 +55,13 @@ class EncoderEngine:
             spec = spec or load_spec(config.model)
             processor = processor or MultimodalProcessor.from_pretrained(config.model)
         self.config = config
-        self.dtype = _resolve_dtype(config.dtype, spec)
+        self.dtype = cache_setup.resolve_dtype(config.dtype, spec)
         self.hidden_size = int(spec.hidden_size)
         self.processor = processor
         self.vision = vision_model or load_vision_model(
             config.model, dtype=self.dtype, device=config.device
         )
-        self.cache = _make_cache(config, self.hidden_size, self.dtype)
+        self.cache: MMCache = cache_setup.make_cache(config, self.hidden_size, self.dtype)
         self.leases: LeaseTable[MMEntry] = LeaseTable()
         self.metrics = EncoderMetrics()
         self.metrics.bind_gauges(
@@ -95,14 +81,7 @@ class EncoderEngine:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._space: asyncio.Event | None = None
         self._sweeper: asyncio.Task | None = None
-        n_params, esize = int(getattr(self.vision, "num_parameters", 0)), self.cache.tensor.element_size()
-        logger.info(
-            "encoder %s: vision model %s: %.2fM parameters (~%.1f MiB %s on %s); mm cache "
-            "%d blocks x %d tokens x %d hidden = %.1f MiB", config.encoder_id, config.model,
-            n_params / 1e6, n_params * esize / 2**20, self.dtype, config.device,
-            self.cache.num_blocks, self.cache.block_tokens, self.hidden_size,
-            self.cache.tensor.numel() * esize / 2**20,
-        )  # fmt: skip
+        cache_setup.log_sizes(config, self.vision, self.cache)
 
     # -- lifecycle -------------------------------------------------------------------
 
@@ -335,16 +314,8 @@ class EncoderEngine:
     # -- introspection ---------------------------------------------------------------
 
     def stats(self) -> dict[str, Any]:
-        c = self.cache
         return {
-            "blocks_total": c.num_blocks,
-            "blocks_used": c.num_used_blocks,
-            "blocks_free": c.num_free_blocks,
-            "blocks_referenced": c.num_referenced_blocks,
-            "blocks_evictable": c.num_evictable_blocks,
-            "block_tokens": c.block_tokens,
-            "entries": c.num_entries,
-            "evictions": c.evictions,
+            **cache_setup.cache_stats(self.cache),
             "leases": len(self.leases),
             "queued": self.batcher.queued,
             "forwards": self.batcher.forwards,
@@ -356,18 +327,5 @@ class EncoderEngine:
         """The cache is consistent and, when no encode is queued or in flight, exactly the
         leased entries hold refs (one per lease)."""
         self.cache.check_integrity()
-        if self._inflight or self.batcher.queued:
-            return
-        # LeaseTable has no public iteration yet; read its table under its lock.
-        with self.leases._lock:
-            leased = [lease.payload for lease in self.leases._leases.values()]
-        entries = {id(e): e for e in leased}
-        for entry in entries.values():
-            n = sum(1 for e in leased if e is entry)
-            if entry.freed or entry.ref_count != n:
-                raise AssertionError(f"{entry!r} is held by {n} lease(s)")
-        leased_blocks = sum(len(e.block_ids) for e in entries.values())
-        if self.cache.num_referenced_blocks != leased_blocks:
-            raise AssertionError(
-                f"{self.cache.num_referenced_blocks} referenced blocks, {leased_blocks} leased"
-            )
+        if not self._inflight and not self.batcher.queued:
+            cache_setup.check_leased_refs(self.cache, self.leases)

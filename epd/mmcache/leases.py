@@ -2,7 +2,9 @@
 
 A lease ends exactly once: by ``release`` (the peer's ack) or by ``expire`` (the ack never
 came). Both remove the lease and hand its payload back to the owner, who decides what
-releasing it means; a second release of the same id returns None. Thread-safe.
+releasing it means; a second release of the same id returns None. Thread-safe: every
+method takes the table's lock, and `snapshot()` is the only way to see all live leases
+(a copy, so callers never iterate the table while another thread changes it).
 """
 
 from __future__ import annotations
@@ -73,6 +75,12 @@ class LeaseTable(Generic[T]):
     def get(self, lease_id: str) -> Lease[T] | None:
         with self._lock:
             return self._leases.get(lease_id)
+
+    def snapshot(self) -> list[Lease[T]]:
+        """The live leases at this instant, earliest deadline first (a copy: leases are
+        frozen, and ending one later does not change the returned list)."""
+        with self._lock:
+            return sorted(self._leases.values(), key=lambda lease: lease.deadline)
 
     def next_deadline(self) -> float | None:
         with self._lock:
