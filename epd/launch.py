@@ -1,4 +1,5 @@
-"""`epd launch`: encoder(s) + LLM engine(s) + proxy on this machine, in one command.
+"""`epd launch`: encoder(s) + LLM engine(s) + proxy on this machine, in one command
+(`--pd`: encoder(s) + prefill engine(s) + decode engine(s) + a proxy in PD mode).
 
 Invariants: every child is a `python -m epd.cli ...` subprocess in its own process group,
 bound to --host (default loopback) and logging to its own file; whatever happens (Ctrl-C,
@@ -39,7 +40,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--llms", type=int, default=1)
     parser.add_argument("--base-port", type=int, default=None, help="first engine port")
     parser.add_argument("--pd", action="store_true", help="encoder + prefill + decode")
+    parser.add_argument("--prefills", type=int, default=1, help="prefill engines (with --pd)")
+    parser.add_argument("--decodes", type=int, default=1, help="decode engines (with --pd)")
     parser.add_argument("--extra-llm-args", default="", help="extra `epd serve --role llm` flags")
+    parser.add_argument("--extra-prefill-args", default="", help="extra prefill engine flags")
+    parser.add_argument("--extra-decode-args", default="", help="extra decode engine flags")
     parser.add_argument("--extra-encoder-args", default="", help="extra encoder flags")
     parser.add_argument("--extra-proxy-args", default="", help="extra `epd proxy` flags")
     parser.add_argument("--no-example", action="store_true", help="skip the example request")
@@ -107,19 +112,31 @@ class Launcher:
             return next_port - 1
 
         py = [sys.executable, "-m", "epd.cli"]
-        for role, count, extra in (
-            ("encoder", a.encoders, a.extra_encoder_args),
-            ("llm", a.llms, a.extra_llm_args),
-        ):
+        for role, count, extra in self.engines():
             for i in range(count):
                 p = port()
                 cmd = [*py, "serve", "--role", role, "--model", self.model]
                 cmd += ["--host", a.host, "--port", str(p), *shlex.split(extra)]
                 self._add(f"{role}{i}", f"http://{a.host}:{p}", cmd)
         cmd = [*py, "proxy", "--host", a.host, "--port", str(a.port)]
+        if a.pd:
+            cmd += ["--mode", "pd"]
         for c in self.children:
             cmd += [f"--{c.name.rstrip('0123456789')}", c.url]
         self._add("proxy", self.proxy_url, cmd + shlex.split(a.extra_proxy_args))
+
+    def engines(self) -> list[tuple[str, int, str]]:
+        """(role, count, extra flags) of the engine processes, in start order."""
+        a = self.args
+        engines = [("encoder", a.encoders, a.extra_encoder_args)]
+        if a.pd:
+            engines += [
+                ("prefill", a.prefills, a.extra_prefill_args),
+                ("decode", a.decodes, a.extra_decode_args),
+            ]
+        else:
+            engines.append(("llm", a.llms, a.extra_llm_args))
+        return engines
 
     def _add(self, name: str, url: str, cmd: list[str]) -> None:
         self.children.append(Child(name, url, cmd, self.log_dir / f"{name}.log"))
@@ -283,8 +300,9 @@ def run(args: argparse.Namespace) -> int:
             "and decode roles are not implemented in this version. Run without --pd."
         )
         return 2
-    if args.encoders < 1 or args.llms < 1:
-        _say("epd launch: --encoders and --llms must be at least 1")
+    counts = ("encoders", "prefills", "decodes") if args.pd else ("encoders", "llms")
+    if any(getattr(args, name) < 1 for name in counts):
+        _say(f"epd launch: {', '.join('--' + n for n in counts)} must be at least 1")
         return 2
     model = args.model or _default_model()
     launcher = Launcher(args, model)

@@ -1,7 +1,9 @@
-"""End-to-end: `epd launch` starts encoder + LLM + proxy, answers the example, stops all."""
+"""`epd launch`: the process plan (unit), and end-to-end: it starts encoder + LLM + proxy
+(or encoder + prefill + decode + proxy with --pd), answers the example, stops everything."""
 
 from __future__ import annotations
 
+import argparse
 import ast
 import re
 import socket
@@ -10,10 +12,37 @@ from pathlib import Path
 import pytest
 from helpers import free_port, run_cli
 
-from epd.launch import EXAMPLE_PROMPT, example_data_url
+from epd.launch import EXAMPLE_PROMPT, Launcher, add_arguments, example_data_url
 from epd.models.reference import reference_generate
 
-pytestmark = pytest.mark.e2e
+
+def plan(*argv: str) -> dict[str, list[str]]:
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(["--model", "/m", "--port", "9000", "--base-port", "9100", *argv])
+    launcher = Launcher(args, "/m")
+    launcher.plan()
+    return {c.name: c.cmd for c in launcher.children}
+
+
+def test_plan_colocated_and_pd(tmp_path):
+    cmds = plan("--log-dir", str(tmp_path))
+    assert list(cmds) == ["encoder0", "llm0", "proxy"]
+    assert cmds["llm0"][cmds["llm0"].index("--role") + 1] == "llm"
+    proxy = " ".join(cmds["proxy"])
+    assert "--encoder http://127.0.0.1:9100 --llm http://127.0.0.1:9101" in proxy
+    assert "--mode" not in proxy
+    cmds = plan(
+        "--log-dir", str(tmp_path), "--pd", "--decodes", "2",
+        "--extra-prefill-args", "--num-blocks 8", "--extra-decode-args", "--num-blocks 64",
+    )  # fmt: skip
+    assert list(cmds) == ["encoder0", "prefill0", "decode0", "decode1", "proxy"]
+    assert cmds["prefill0"][-2:] == ["--num-blocks", "8"]
+    assert cmds["decode1"][-2:] == ["--num-blocks", "64"]
+    assert cmds["decode1"][cmds["decode1"].index("--role") + 1] == "decode"
+    proxy = " ".join(cmds["proxy"])
+    assert "--mode pd" in proxy and "--prefill http://127.0.0.1:9101" in proxy
+    assert "--decode http://127.0.0.1:9102 --decode http://127.0.0.1:9103" in proxy
 
 
 def epd_processes_with(ports: list[int]) -> list[str]:
@@ -35,6 +64,7 @@ def port_open(port: int) -> bool:
         return s.connect_ex(("127.0.0.1", port)) == 0
 
 
+@pytest.mark.e2e
 def test_launch_runs_the_example_and_stops_everything(llava_dir):
     port = free_port()
     proc = run_cli(
@@ -75,6 +105,7 @@ def test_launch_runs_the_example_and_stops_everything(llava_dir):
     assert "all processes stopped" in out
 
 
+@pytest.mark.e2e
 def test_launch_pd_is_not_available_yet():
     proc = run_cli(["launch", "--pd", "--no-example"], timeout_s=60)
     assert proc.returncode == 2

@@ -2,7 +2,11 @@
 
 Invariants: only the engine thread touches the engine's state; requests and aborts
 enter through a locked inbox drained at the start of every step; the thread sleeps on a
-condition while there is no work; a stream whose consumer goes away (GeneratorExit /
+condition while there is no work, and the migrator's events (EPD migration done or
+failed) notify that condition, so a finished transfer is applied at once; while
+migrations are pending the sleep is bounded (deadlines, pool space). An output carrying
+an `exception` (a 400/502 from the EPD migration, before any token) is raised in the
+request's stream, so the client gets an HTTP error. A stream whose consumer goes away (GeneratorExit /
 CancelledError, e.g. a client disconnect) aborts its request, freeing its blocks.
 """
 
@@ -13,6 +17,7 @@ import logging
 import threading
 from collections.abc import AsyncIterator
 from collections.abc import Sequence as Seq
+from typing import Any
 
 from epd.errors import EPDError
 from epd.llm.config import EngineConfig
@@ -22,6 +27,7 @@ from epd.llm.sampling_params import SamplingParams
 from epd.llm.sequence import MMItem, Sequence
 
 logger = logging.getLogger(__name__)
+_PENDING_POLL_S = 0.05
 
 
 class AsyncLLMEngine:
@@ -34,6 +40,8 @@ class AsyncLLMEngine:
         self._thread: threading.Thread | None = None
         self._stopping = False
         self._stats = self.engine.stats()
+        self.engine.idle_wait_s = 0.0  # the loop below sleeps on the condition instead
+        self.engine.wakeup = self._wake
 
     @property
     def processor(self):
@@ -50,6 +58,11 @@ class AsyncLLMEngine:
     @property
     def max_model_len(self) -> int:
         return self.engine.max_model_len
+
+    @property
+    def is_alive(self) -> bool:
+        """The engine thread is running (false before start, after shutdown or a crash)."""
+        return self._thread is not None and self._thread.is_alive() and not self._stopping
 
     # -- lifecycle -------------------------------------------------------------------
     def start(self) -> None:
@@ -79,13 +92,14 @@ class AsyncLLMEngine:
         sampling: SamplingParams | None = None,
         mm_items: Seq[MMItem] = (),
         prompt_param: str = "prompt",
+        epd: Any = None,
     ) -> AsyncIterator[RequestOutput]:
         if self._thread is None or self._stopping:
             raise EPDError("the engine is not running", type="service_unavailable", status=503)
         if request_id in self._streams:
             raise EPDError(f"request id {request_id!r} is already in use", param="request_id")
         seq = self.engine.make_sequence(request_id, prompt_token_ids, sampling, mm_items,
-                                        prompt_param)
+                                        prompt_param, epd)
         queue: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = (asyncio.get_running_loop(), queue)
         self._submit("add", seq)
@@ -107,6 +121,10 @@ class AsyncLLMEngine:
     def abort(self, request_id: str) -> None:
         self._submit("abort", request_id)
 
+    def _wake(self) -> None:
+        with self._cond:
+            self._cond.notify()
+
     def _submit(self, op: str, arg: Sequence | str) -> None:
         with self._cond:
             self._inbox.append((op, arg))
@@ -117,14 +135,18 @@ class AsyncLLMEngine:
         engine = self.engine
         while True:
             with self._cond:
-                while not (self._stopping or self._inbox or engine.has_unfinished()):
-                    self._cond.wait()
+                while not (self._stopping or self._inbox or engine.has_work()):
+                    # Pending migrations: wake now and then for deadlines and pool space.
+                    self._cond.wait(_PENDING_POLL_S if engine.has_unfinished() else None)
+                    if engine.has_unfinished():
+                        break
                 inbox, self._inbox = self._inbox, []
             if self._stopping:
                 for rid in list(engine.scheduler.seqs):  # free everything on the way out
                     engine.abort(rid)
                 engine.step()
                 self._stats = engine.stats()
+                engine.close()
                 return
             for op, arg in inbox:
                 if op == "add":
@@ -145,7 +167,10 @@ class AsyncLLMEngine:
             # Stats first: a consumer woken by an output must not see an older snapshot.
             self._stats = engine.stats()
             for out in outputs:
-                self._deliver(out)
+                if out.exception is not None:
+                    self._deliver_error(out.request_id, out.exception)
+                else:
+                    self._deliver(out)
 
     def _deliver(self, item: RequestOutput) -> None:
         stream = self._streams.get(item.request_id)

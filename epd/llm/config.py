@@ -13,6 +13,7 @@ from pathlib import Path
 VISION_MODES = ("local", "none")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 ATTENTION_BACKENDS = ("auto", "cpu", "cuda")
+TRANSFER_KINDS = ("auto", "tcp", "rdma", "nvlink")
 
 
 @dataclass(frozen=True)
@@ -31,6 +32,15 @@ class EngineConfig:
     device: str = "auto"
     attention_backend: str = "auto"
     seed: int = 0
+    # EPD migration: the LLM-side feature pool (created on the first EPD request; sized
+    # by mm_num_blocks when given, else by mm_cache_memory_bytes) and its transfer engine.
+    mm_block_tokens: int = 16
+    mm_num_blocks: int | None = None
+    mm_cache_memory_bytes: int = 64 * 1024 * 1024
+    transfer: str = "auto"
+    transfer_host: str = "127.0.0.1"  # data-plane address (a concrete local IP)
+    migration_timeout_s: float = 30.0
+    engine_id: str | None = None  # transfer id presented to peers (default: random)
 
     def __post_init__(self) -> None:
         def positive(name: str, value: int | None) -> None:
@@ -43,6 +53,13 @@ class EngineConfig:
         positive("max_num_batched_tokens", self.max_num_batched_tokens)
         positive("max_num_seqs", self.max_num_seqs)
         positive("max_model_len", self.max_model_len)
+        positive("mm_block_tokens", self.mm_block_tokens)
+        positive("mm_num_blocks", self.mm_num_blocks)
+        positive("mm_cache_memory_bytes", self.mm_cache_memory_bytes)
+        if self.transfer not in TRANSFER_KINDS:
+            raise ValueError(f"transfer must be one of {TRANSFER_KINDS}, got {self.transfer!r}")
+        if not self.migration_timeout_s > 0:
+            raise ValueError(f"migration_timeout_s must be > 0, got {self.migration_timeout_s!r}")
         if self.vision not in VISION_MODES:
             raise ValueError(f"vision must be one of {VISION_MODES}, got {self.vision!r}")
         if self.dtype not in DTYPES:

@@ -2,7 +2,9 @@
 
 Invariants: the text handed out so far is always a prefix of the final text; it never
 contains a stop string (or its beginning, while a match is still possible); an
-incomplete UTF-8 sequence (a trailing U+FFFD) is held back until it completes. Each new
+incomplete UTF-8 sequence (a trailing U+FFFD) is held back until it completes, or until
+the request finishes (`flush`): then the final text equals a full decode of the output
+ids, as transformers returns it (a trailing U+FFFD included). Each new
 token decodes only a short window of tokens (prefix/read offsets, as in vLLM/TGI).
 """
 
@@ -35,6 +37,15 @@ class IncrementalDetokenizer:
             state.text += full[len(prefix) :]
             state.prefix_offset = state.read_offset
             state.read_offset = len(ids)
+
+    def flush(self, state: DetokState, ids: list[int]) -> None:
+        """At the end of a request: add what `append` held back (an incomplete UTF-8
+        sequence decodes to U+FFFD, exactly as a full decode of `ids` returns it)."""
+        prefix = self._decode(ids[state.prefix_offset : state.read_offset])
+        full = self._decode(ids[state.prefix_offset :])
+        if len(full) > len(prefix) and full.startswith(prefix):
+            state.text += full[len(prefix) :]
+        state.prefix_offset = state.read_offset = len(ids)
 
     @staticmethod
     def find_stop(state: DetokState, stop: tuple[str, ...]) -> str | None:

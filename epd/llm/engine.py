@@ -5,12 +5,22 @@ status change goes through `transition()`; a finished or aborted request's block
 freed in the same step (the free-block count returns to its start value once idle); an
 error in the forward pass finishes the affected requests with finish_reason "error" and
 the engine keeps serving.
+
+EPD requests (a `Sequence` with `epd`) start in WAITING_EPD_MIGRATION; `EPDMigrations`
+(epd.llm.migration) pulls their image features on its migrator thread, and each step
+first applies its events on this thread (the only thread that changes statuses), so a
+transfer never holds up decoding. `wakeup` (set by the async front) is called when a
+migration event arrives; `idle_wait_s` lets a synchronous caller's idle step sleep on
+those events instead of spinning.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
+from collections.abc import Callable
 from collections.abc import Sequence as Seq
+from typing import Any
 
 import torch
 
@@ -18,12 +28,13 @@ from epd.errors import EPDError
 from epd.llm.block_manager import KVBlockManager
 from epd.llm.config import EngineConfig
 from epd.llm.detokenizer import IncrementalDetokenizer
+from epd.llm.migration import EPDMigrations
 from epd.llm.model_runner import ModelRunner
 from epd.llm.outputs import EngineStats, RequestOutput
 from epd.llm.sampler import Sampler
 from epd.llm.sampling_params import SamplingParams
 from epd.llm.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
-from epd.llm.sequence import MMItem, Sequence
+from epd.llm.sequence import MMItem, Sequence, stage_timings
 from epd.statemachine import FinishReason, SeqStatus, transition
 
 logger = logging.getLogger(__name__)
@@ -58,6 +69,12 @@ class LLMEngine:
         self.detok = IncrementalDetokenizer(self.tokenizer)
         self._pending: list[RequestOutput] = []
         self._counters = {"generated": 0, "prompt": 0, "preemptions": 0, "steps": 0}
+        self.wakeup: Callable[[], None] = lambda: None
+        self.idle_wait_s = 0.005
+        self._migration_event = threading.Event()
+        self.epd = EPDMigrations(config, hidden_size=self.spec.hidden_size,
+                                 dtype=self.runner.dtype, notify=self._on_migration_event)
+        self.scheduler.on_release.append(self._release_epd)
 
     # -- requests --------------------------------------------------------------------
     def add_request(
@@ -67,8 +84,10 @@ class LLMEngine:
         sampling: SamplingParams | None = None,
         mm_items: Seq[MMItem] = (),
         prompt_param: str = "prompt",
+        epd: Any = None,
     ) -> Sequence:
-        seq = self.make_sequence(request_id, prompt_token_ids, sampling, mm_items, prompt_param)
+        seq = self.make_sequence(request_id, prompt_token_ids, sampling, mm_items, prompt_param,
+                                 epd)
         self.add_sequence(seq)
         return seq
 
@@ -79,6 +98,7 @@ class LLMEngine:
         sampling: SamplingParams | None = None,
         mm_items: Seq[MMItem] = (),
         prompt_param: str = "prompt",
+        epd: Any = None,
     ) -> Sequence:
         """Validate a request (EPDError 400 naming the parameter) into a new Sequence.
         Touches no engine state, so any thread may call it."""
@@ -93,6 +113,9 @@ class LLMEngine:
         for m in mm_items:
             if m.offset < 0 or m.end > len(ids):
                 raise EPDError("an image span lies outside the prompt", param=prompt_param)
+        if epd is not None and len(epd.images) != len(mm_items):
+            raise EPDError(f"{len(epd.images)} encoded images for {len(mm_items)} image spans",
+                           param="encoder_result")
         need = self.blocks.blocks_needed(min(len(ids) + sampling.max_tokens, self.max_model_len))
         if need > self.layout.num_blocks:
             raise EPDError(
@@ -100,7 +123,8 @@ class LLMEngine:
                 param=prompt_param,
             )
         return Sequence(
-            request_id=request_id, prompt_token_ids=ids, sampling=sampling, mm_items=list(mm_items)
+            request_id=request_id, prompt_token_ids=ids, sampling=sampling,
+            mm_items=list(mm_items), epd=epd,
         )
 
     def add_sequence(self, seq: Sequence) -> None:
@@ -118,12 +142,40 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or bool(self._pending)
 
+    def has_work(self) -> bool:
+        """Whether a step now could make progress (outputs to hand out, sequences to
+        schedule, migrations to start or migration events to apply)."""
+        s = self.scheduler
+        return bool(
+            self._pending or self.epd.has_events()
+            or any(q.status in _STEPPABLE for q in s.seqs.values())
+            or any(not self.epd.is_blocked(q.request_id)
+                   for q in s.with_status(SeqStatus.WAITING_EPD_MIGRATION))
+        )
+
+    def close(self) -> None:
+        """Stop the migrator and the transfer engine (after aborting everything)."""
+        self.epd.close()
+
+    def _on_migration_event(self) -> None:
+        self._migration_event.set()
+        self.wakeup()
+
+    def _release_epd(self, seq: Sequence) -> None:
+        if seq.epd is not None:
+            self.epd.release(seq)
+
     # -- the step --------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         outputs, self._pending = self._pending, []
+        if self.epd.busy or self.epd.has_events():
+            outputs += self._advance_migrations()
         sched = self.scheduler.schedule()
         self._counters["preemptions"] += len(sched.preempted)
         if sched.is_empty:
+            if self.idle_wait_s and self.epd.busy and not outputs:
+                self._migration_event.wait(self.idle_wait_s)
+            self._migration_event.clear()
             return outputs
         self._counters["steps"] += 1
         samplers = [s.seq for s in sched.scheduled if s.samples]
@@ -149,6 +201,16 @@ class LLMEngine:
                 outputs.append(self._append(seq, tok, lp))
         return outputs
 
+    def _advance_migrations(self) -> list[RequestOutput]:
+        waiting = self.scheduler.with_status(SeqStatus.WAITING_EPD_MIGRATION)
+        outs = []
+        for seq, err in self.epd.advance(waiting):
+            self.scheduler.finish(seq, FinishReason.ERROR)
+            out = self._output(seq, [], [], "")
+            out.error, out.exception = err.message, err
+            outs.append(out)
+        return outs
+
     def _append(self, seq: Sequence, token: int, logprob) -> RequestOutput:
         seq.append_token(token)
         if logprob is not None:
@@ -167,6 +229,10 @@ class LLMEngine:
                 reason = FinishReason.STOP
             elif seq.num_output_tokens >= sp.max_tokens or seq.num_tokens >= self.max_model_len:
                 reason = FinishReason.LENGTH
+        if reason is not None and not isinstance(stop_reason, str):
+            # Finished without a stop string: hand out the held-back end as well.
+            ids = seq.output_token_ids[:-1] if stop_reason is not None else seq.output_token_ids
+            self.detok.flush(seq.detok, ids)
         text = self.detok.emit(seq.detok, sp.stop, final=reason is not None)
         if reason is not None:
             seq.stop_reason = stop_reason
@@ -195,6 +261,7 @@ class LLMEngine:
             num_prompt_tokens=seq.num_prompt_tokens,
             num_output_tokens=seq.num_output_tokens,
             num_cached_tokens=seq.num_cached_tokens,
+            timings=stage_timings(seq) if finished else None,
         )
 
     # -- introspection ---------------------------------------------------------------
@@ -213,4 +280,8 @@ class LLMEngine:
             num_prompt_tokens_computed=self._counters["prompt"],
             num_preemptions=self._counters["preemptions"],
             num_steps=self._counters["steps"],
+            **self.epd.stats(),
         )
+
+
+_STEPPABLE = frozenset({SeqStatus.WAITING, SeqStatus.RUNNING})

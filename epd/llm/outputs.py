@@ -22,6 +22,10 @@ class RequestOutput:
     num_output_tokens: int = 0
     num_cached_tokens: int = 0
     error: str | None = None
+    # An error the client should get as an HTTP error (e.g. a 400/502 from EPD migration);
+    # set only before any token was produced.
+    exception: Exception | None = None
+    timings: dict[str, float] | None = None  # seconds per stage, on the final output
 
 
 @dataclass(frozen=True)
@@ -38,6 +42,13 @@ class EngineStats:
     num_prompt_tokens_computed: int
     num_preemptions: int
     num_steps: int
+    # EPD migration (LLM-side feature pool; "free" counts cached, unreferenced blocks).
+    num_migrating: int = 0
+    mm_blocks_total: int = 0
+    mm_blocks_free: int = 0
+    mm_blocks_referenced: int = 0
+    epd_migrations: int = 0
+    epd_migrations_failed: int = 0
 
 
 @dataclass

@@ -2,7 +2,8 @@
 
 Invariants:
 - Queues derive from status: `running()` / `waiting()` are the sequences in RUNNING /
-  WAITING, ordered by arrival (FCFS). A preempted sequence keeps its arrival index, so it
+  WAITING, ordered by arrival (FCFS). Sequences in an EPD migration status are held but
+  never scheduled; the engine moves them to WAITING once their features arrived. A preempted sequence keeps its arrival index, so it
   goes back to the front of the waiting queue (everything still waiting arrived later).
 - Each step schedules at most `max_num_batched_tokens` tokens and `max_num_seqs` running
   sequences: running sequences first (decodes and unfinished prefill chunks), then
@@ -15,6 +16,7 @@ Invariants:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from epd.llm.block_manager import KVBlockManager, MMSpanHash, hash_block_tokens
@@ -65,18 +67,21 @@ class Scheduler:
         self.blocks = block_manager
         self.block_size = block_manager.block_size
         self.seqs: dict[str, Sequence] = {}
+        # Called with every sequence that ends (finished or aborted), after its KV blocks
+        # are freed: owners of other per-sequence resources (EPD features) release them.
+        self.on_release: list[Callable[[Sequence], None]] = []
 
     # -- queues (derived from status) ------------------------------------------------
-    def _with_status(self, status: SeqStatus) -> list[Sequence]:
+    def with_status(self, status: SeqStatus) -> list[Sequence]:
         return sorted(
             (s for s in self.seqs.values() if s.status is status), key=lambda s: s.arrival_index
         )
 
     def running(self) -> list[Sequence]:
-        return self._with_status(SeqStatus.RUNNING)
+        return self.with_status(SeqStatus.RUNNING)
 
     def waiting(self) -> list[Sequence]:
-        return self._with_status(SeqStatus.WAITING)
+        return self.with_status(SeqStatus.WAITING)
 
     def has_unfinished(self) -> bool:
         return bool(self.seqs)
@@ -88,8 +93,10 @@ class Scheduler:
     def add(self, seq: Sequence) -> None:
         if seq.request_id in self.seqs:
             raise ValueError(f"duplicate request id {seq.request_id!r}")
-        if seq.status != SeqStatus.WAITING:
-            raise ValueError(f"a new sequence must be WAITING, not {seq.status.name}")
+        if seq.status not in (SeqStatus.WAITING, SeqStatus.WAITING_EPD_MIGRATION):
+            raise ValueError(
+                f"a new sequence must be WAITING or WAITING_EPD_MIGRATION, not {seq.status.name}"
+            )
         self._update_hashes(seq)
         self.seqs[seq.request_id] = seq
 
@@ -125,6 +132,8 @@ class Scheduler:
             self.blocks.free(seq.request_id)
         transition(seq, SeqStatus.ENDED)
         del self.seqs[seq.request_id]
+        for hook in self.on_release:
+            hook(seq)
 
     def _preempt(self, seq: Sequence) -> None:
         self.blocks.free(seq.request_id)

@@ -17,7 +17,7 @@ import torch
 
 from epd.llm.detokenizer import DetokState
 from epd.llm.sampling_params import SamplingParams
-from epd.statemachine import SeqStatus, StatusTracked, init_status
+from epd.statemachine import SeqStatus, StatusTracked, init_status, stage_durations
 
 _arrival_counter = itertools.count()
 
@@ -62,6 +62,11 @@ class Sequence(StatusTracked):
     generator: torch.Generator | None = None
     detok: DetokState = field(default_factory=DetokState)
     stop_reason: str | int | None = None
+    first_token_mono: float | None = None  # time.monotonic(), comparable to status_history
+    # EPD: where the image features are (epd.llm.migration.EPDRequest); the sequence
+    # starts in WAITING_EPD_MIGRATION and holds refs on its LLM-side feature entries.
+    epd: Any = None
+    epd_entries: list[Any] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.prompt_token_ids = list(self.prompt_token_ids)
@@ -70,7 +75,8 @@ class Sequence(StatusTracked):
         if self.sampling.seed is not None:
             self.generator = torch.Generator().manual_seed(self.sampling.seed)
         if not self.status_history:
-            init_status(self, SeqStatus.WAITING)
+            first = SeqStatus.WAITING if self.epd is None else SeqStatus.WAITING_EPD_MIGRATION
+            init_status(self, first)
 
     @property
     def num_tokens(self) -> int:
@@ -97,3 +103,32 @@ class Sequence(StatusTracked):
         self.token_ids.append(token_id)
         if self.first_token_time is None:
             self.first_token_time = time.time()
+            self.first_token_mono = time.monotonic()
+
+
+_EPD_STATUSES = frozenset(
+    {SeqStatus.WAITING_EPD_MIGRATION, SeqStatus.RUNNING_EPD_MIGRATION,
+     SeqStatus.EPD_MIGRATION_LOCKED}
+)
+
+
+def stage_timings(seq: Sequence) -> dict[str, float]:
+    """Seconds per stage (`epd_timings` in responses), from `stage_durations`: `queue`
+    (WAITING), `epd_migration` (the three EPD migration statuses), `prefill` / `decode`
+    (RUNNING + LOCKED before / after the first token), `total`."""
+    d = stage_durations(seq)
+    running = d.get("RUNNING", 0.0) + d.get("LOCKED", 0.0)
+    decode = 0.0
+    split, hist = seq.first_token_mono, seq.status_history
+    if split is not None:
+        for (status, start), (_, end) in zip(hist, hist[1:], strict=False):
+            if status in (SeqStatus.RUNNING, SeqStatus.LOCKED) and end > split:
+                decode += end - max(start, split)
+    out = {
+        "queue": d.get("WAITING", 0.0),
+        "epd_migration": sum(d.get(s.name, 0.0) for s in _EPD_STATUSES),
+        "prefill": max(0.0, running - decode),
+        "decode": decode,
+        "total": sum(d.values()),
+    }
+    return {k: round(v, 6) for k, v in out.items()}

@@ -9,6 +9,9 @@ Invariants:
   freed. Every error is OpenAI JSON (epd.errors) and is counted in `/metrics` by type.
 - `--proxy-url` registration runs in the background with retries; a proxy that is down
   never stops the server.
+- EPD: chat requests with `encoder_result` pull image features from the encoder over the
+  transfer layer (`--transfer`, bound to `--host`; created on the first such request).
+  The dlslime data plane has no authentication: expose `--host` to trusted peers only.
 """
 
 from __future__ import annotations
@@ -76,12 +79,8 @@ class ClosingStreamingResponse(StreamingResponse):
 
 
 def engine_alive(engine: Any) -> bool:
-    value = getattr(engine, "is_alive", None)
-    if value is not None:
-        return bool(value() if callable(value) else value)
-    # AsyncLLMEngine has no public liveness flag yet: its step thread is the engine loop.
-    thread = getattr(engine, "_thread", None)
-    return thread is not None and thread.is_alive()
+    value = engine.is_alive
+    return bool(value() if callable(value) else value)
 
 
 def _count_errors(app: FastAPI, metrics: ServerMetrics) -> None:

@@ -41,6 +41,19 @@ def add_arguments(parser, role: str = "llm") -> None:
                         default="auto")
     parser.add_argument("--device", default="auto", help="auto | cpu | cuda[:N]")
     parser.add_argument("--seed", type=int, default=0)
+    epd = parser.add_argument_group("EPD migration (requests with encoder_result)")
+    epd.add_argument("--transfer", choices=("auto", "tcp", "rdma", "nvlink"), default="auto",
+                     help="data plane for pulling image features from encoders")
+    epd.add_argument("--mm-block-tokens", type=int, default=16,
+                     help="feature rows per block of this engine's feature pool")
+    size = epd.add_mutually_exclusive_group()
+    size.add_argument("--mm-cache-memory", type=parse_bytes, default="64MiB",
+                      help="feature pool size (e.g. 64MiB) when --mm-num-blocks is not given")
+    size.add_argument("--mm-num-blocks", type=int, default=None, help="feature pool blocks")
+    epd.add_argument("--migration-timeout", type=float, default=30.0,
+                     help="seconds an EPD migration (handshake + reads) may take")
+    epd.add_argument("--engine-id", default=None,
+                     help="transfer id presented to encoders (default: random)")
     parser.add_argument("--log-level", default="info",
                         choices=("debug", "info", "warning", "error"))
 
@@ -61,7 +74,23 @@ def engine_config_from_args(args) -> Any:
         dtype=args.dtype,
         device=args.device,
         seed=args.seed,
+        mm_block_tokens=args.mm_block_tokens,
+        mm_num_blocks=args.mm_num_blocks,
+        mm_cache_memory_bytes=args.mm_cache_memory,
+        transfer=args.transfer,
+        transfer_host=_data_plane_host(args.host),
+        migration_timeout_s=args.migration_timeout,
+        engine_id=args.engine_id,
     )
+
+
+def _data_plane_host(host: str) -> str:
+    """A concrete address for the data plane (a wildcard HTTP bind advertises this host's)."""
+    if host in ("0.0.0.0", "::", ""):
+        import socket
+
+        return socket.gethostbyname(socket.gethostname())
+    return host
 
 
 def media_config_from_args(args) -> Any:

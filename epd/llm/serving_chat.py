@@ -9,6 +9,12 @@ Invariants:
   content chunk), an optional usage chunk with no choices, then `data: [DONE]`.
 - `usage.prompt_tokens` is the length of the prompt token ids handed to the engine and
   `usage.completion_tokens` the number of generated token ids.
+- EPD: a request with `encoder_result` never loads its image parts (the proxy forwards
+  them unchanged); the prompt's placeholders are expanded with the encoder's token counts
+  and keyed by its `mm_hash`es (prefix caching works across requests), after
+  `check_encoder_results` (400 naming `encoder_result...`). The engine pulls the features.
+- Chat responses carry `epd_timings` (seconds per stage: queue, epd_migration, prefill,
+  decode, total): top level when not streamed, in the finish chunk when streamed.
 """
 
 from __future__ import annotations
@@ -56,6 +62,7 @@ class EngineRequest:
     sampling: SamplingParams
     mm_items: list[MMItem] = field(default_factory=list)
     prompt_param: str = "messages"
+    epd: Any = None  # epd.llm.migration.EPDRequest for requests with encoder_result
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -73,6 +80,11 @@ class Collected:
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     error: str | None = None
+    timings: dict[str, float] | None = None
+
+
+class EPDChatCompletionResponse(ChatCompletionResponse):
+    epd_timings: dict[str, float] | None = None
 
 
 class OpenAIServing:
@@ -98,6 +110,7 @@ class OpenAIServing:
         self.block_size = block_size
         self.processor = engine.processor
         self.tokenizer = engine.processor.tokenizer
+        self._image_tokens: int | None | bool = False  # False: not computed yet
 
     # -- request -> engine request ---------------------------------------------------
     def check_model(self, model: str) -> None:
@@ -110,13 +123,9 @@ class OpenAIServing:
 
     async def prepare_chat(self, req: ChatCompletionRequest) -> EngineRequest:
         self.check_model(req.model)
-        if req.encoder_result is not None:
-            raise invalid_request(
-                "encoder_result (EPD migration of image features) is not supported by this "
-                "server yet; send raw image_url parts to a server started with --vision local",
-                "encoder_result",
-            )
         self._refuse_pd(req)
+        if req.encoder_result is not None:
+            return await self._prepare_epd_chat(req)
         from epd.encoder.media import collect_image_parts, load_images
 
         refs = collect_image_parts(
@@ -135,6 +144,43 @@ class OpenAIServing:
             for span, img in zip(prompt.mm_spans, images, strict=True)
         ]
         return self._finish_prepare(new_id("chatcmpl"), prompt.token_ids, req, "messages", mm_items)
+
+    async def _prepare_epd_chat(self, req: ChatCompletionRequest) -> EngineRequest:
+        """Features come from encoders: no image is loaded here (file paths included)."""
+        from epd.llm.migration import check_encoder_results, epd_prompt
+
+        epd_state = self.engine.engine.epd
+        results = req.encoder_results
+        if self._image_tokens is False:
+            self._image_tokens = await asyncio.to_thread(self._expected_image_tokens)
+        epd = check_encoder_results(
+            results, listed=isinstance(req.encoder_result, list),
+            hidden_size=epd_state.hidden_size, dtype=epd_state.dtype_name,
+            image_tokens=self._image_tokens, mm_block_tokens=epd_state.config.mm_block_tokens,
+            mm_num_blocks=epd_state.num_blocks,
+        )  # fmt: skip
+        messages = [m.model_dump(exclude_none=True) for m in req.messages]
+        try:
+            ids, mm_items = await asyncio.to_thread(epd_prompt, self.processor, messages, epd)
+        except ValueError as exc:
+            raise invalid_request(f"cannot build the prompt: {exc}", "encoder_result") from None
+        ereq = self._finish_prepare(new_id("chatcmpl"), ids, req, "messages", mm_items)
+        ereq.epd = epd
+        return ereq
+
+    def _expected_image_tokens(self) -> int | None:
+        """Placeholder tokens per image for this processor (fixed-resolution archs), or
+        None when it depends on the image."""
+        from PIL import Image
+
+        try:
+            counts = {
+                self.processor.preprocess_images([Image.new("RGB", size)])[0].num_tokens
+                for size in ((64, 48), (200, 320))
+            }
+        except Exception:
+            return None
+        return counts.pop() if len(counts) == 1 else None
 
     def _tokenize_chat(self, messages: list[dict], images: list) -> Any:
         return self.processor.tokenize(self.processor.render(messages), images)
@@ -250,7 +296,7 @@ class OpenAIServing:
             out.logprobs += o.new_logprobs
             out.num_prompt_tokens, out.num_cached_tokens = o.num_prompt_tokens, o.num_cached_tokens
             if o.finished:
-                out.finish_reason, out.error = o.finish_reason, o.error
+                out.finish_reason, out.error, out.timings = o.finish_reason, o.error, o.timings
         return out
 
     async def generate(
@@ -261,7 +307,7 @@ class OpenAIServing:
         try:
             async for o in self.engine.generate(
                 ereq.request_id, ereq.prompt_token_ids, ereq.sampling, ereq.mm_items,
-                prompt_param=ereq.prompt_param,
+                prompt_param=ereq.prompt_param, **({"epd": ereq.epd} if ereq.epd else {}),
             ):
                 tracker.on_tokens(len(o.new_token_ids))
                 if o.finished:
@@ -286,11 +332,12 @@ class OpenAIServing:
             logprobs=self.chat_logprobs(c.logprobs) if req.logprobs else None,
             finish_reason=c.finish_reason,
         )
-        return ChatCompletionResponse(
+        return EPDChatCompletionResponse(
             id=ereq.request_id,
             model=self.served_model_name,
             choices=[choice],
             usage=self.usage(c.num_prompt_tokens, len(c.token_ids), c.num_cached_tokens),
+            epd_timings=c.timings,
         )
 
     async def chat_stream(
@@ -308,15 +355,17 @@ class OpenAIServing:
                 if not (o.new_text or o.new_logprobs or o.finished):
                     continue
                 lps = self.chat_logprobs(o.new_logprobs) if req.logprobs else None
-                yield sse(
-                    chat_chunk(
-                        rid,
-                        model,
-                        content=o.new_text,
-                        logprobs=lps,
-                        finish_reason=o.finish_reason if o.finished else None,
-                    )
+                chunk = chat_chunk(
+                    rid,
+                    model,
+                    content=o.new_text,
+                    logprobs=lps,
+                    finish_reason=o.finish_reason if o.finished else None,
                 )
+                if o.finished and o.timings is not None:
+                    yield sse({**chunk.model_dump(mode="json"), "epd_timings": o.timings})
+                else:
+                    yield sse(chunk)
             if req.include_usage:
                 usage = self.usage(ereq.num_prompt_tokens, num_output, num_cached)
                 yield sse(chat_usage_chunk(rid, model, usage))

@@ -1,9 +1,10 @@
 """Prometheus metrics of the proxy (one CollectorRegistry per app, so apps never share state).
 
-Stages measured at the proxy: encode (its round trip), time to first token, time per output
-token, whole request. Stages measured inside the LLM node arrive as an optional
-`epd_timings` object ({"epd_migration": s, "queue": s, "prefill": s, ...}) in the final
-response / last stream chunk and are recorded per key.
+Stages measured at the proxy: encode (its round trip), prefill (PD mode: P's round trip),
+time to first token, time per output token, whole request. Stages measured inside the nodes
+arrive as an optional `epd_timings` object ({"epd_migration": s, "pd_migration": s,
+"queue": s, ...}) in the final response / last stream chunk and are recorded per key;
+migration keys also feed `epd_proxy_migrate_seconds{kind}`.
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ _STAGE_KEY = re.compile(r"^[a-z][a-z0-9_]{0,39}$")
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 _TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
 CONTENT_TYPE = CONTENT_TYPE_LATEST
+# epd_timings keys that are migrations: EPD (encoder features) and PD (KV blocks).
+_MIGRATION_KEYS = {"epd_migration": "epd", "pd_migration": "pd", "kv_migration": "pd"}
 
 
 class ProxyMetrics:
@@ -38,7 +41,15 @@ class ProxyMetrics:
         )
         self.migrate_seconds = Histogram(
             "epd_proxy_migrate_seconds",
-            "EPD migration time reported by the LLM node (epd_timings.epd_migration)",
+            "Migration time reported by the nodes in epd_timings (kind: epd = encoder "
+            "features, pd = prefill KV blocks)",
+            ["kind"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.prefill_seconds = Histogram(
+            "epd_proxy_prefill_seconds",
+            "Prefill stage round trip seen at the proxy (PD mode: until P's response)",
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
@@ -69,7 +80,10 @@ class ProxyMetrics:
             registry=r,
         )
         self.requests = Counter(
-            "epd_proxy_requests", "Requests by path (text / image / pd)", ["path"], registry=r
+            "epd_proxy_requests",
+            "Requests by path (text / image / pd / epd_pd)",
+            ["path"],
+            registry=r,
         )
         self.errors = Counter("epd_proxy_errors", "Errors by kind", ["kind"], registry=r)
         self.in_flight = Gauge(
@@ -98,8 +112,9 @@ class ProxyMetrics:
             if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
                 continue
             self.engine_stage_seconds.labels(key).observe(float(value))
-            if key == "epd_migration":
-                self.migrate_seconds.observe(float(value))
+            kind = _MIGRATION_KEYS.get(key)
+            if kind is not None:
+                self.migrate_seconds.labels(kind).observe(float(value))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -163,11 +163,11 @@ class Relay:
         stream = bool(body.get("stream"))
         node.in_flight += 1
         try:
-            resp = await self._send_watching(request, req, stream)
+            resp = await self.send_watching(request, req, stream)
         except BaseException as e:
             node.in_flight -= 1
             await _shielded(on_failure)
-            if isinstance(e, _ClientGone):
+            if isinstance(e, ClientGone):
                 self.metrics.errors.labels("client_disconnect").inc()
                 return Response(status_code=499)
             if isinstance(e, httpx.HTTPError):
@@ -185,7 +185,7 @@ class Relay:
             return await self._finish_plain(node, stage, label, resp, on_failure, t0)
         return self._stream(node, stage, label, resp, on_failure, t0)
 
-    async def _send_watching(
+    async def send_watching(
         self, request: Request, req: httpx.Request, stream: bool
     ) -> httpx.Response:
         """Send, but give up (closing the connection) if the client goes away meanwhile."""
@@ -202,7 +202,7 @@ class Relay:
                     try:
                         while not (await asyncio.wait({read}, timeout=_DISCONNECT_POLL_S))[0]:
                             if await request.is_disconnected():
-                                raise _ClientGone
+                                raise ClientGone
                         read.result()
                     except BaseException:
                         read.cancel()
@@ -210,7 +210,7 @@ class Relay:
                         raise
                     return resp
                 if await request.is_disconnected():
-                    raise _ClientGone
+                    raise ClientGone
         except BaseException:
             if not task.done():
                 task.cancel()
@@ -296,7 +296,7 @@ class Relay:
         m.request_seconds.labels(label).observe(time.perf_counter() - t0)
 
 
-class _ClientGone(Exception):
+class ClientGone(Exception):
     pass
 
 

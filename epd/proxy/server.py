@@ -1,7 +1,8 @@
 """`epd proxy`: the OpenAI-compatible front door.
 
 Chat requests with image_url parts go encoder(s) -> LLM node; text-only requests go straight
-to an LLM node. The proxy validates only what it needs to route (a JSON object body); the
+to an LLM node. In PD mode (`--mode pd`, or auto with prefill/decode nodes and no healthy
+llm node) the LLM node is replaced by prefill -> decode (`epd.proxy.pd`). The proxy validates only what it needs to route (a JSON object body); the
 LLM node validates the rest and its 4xx answers reach the client unchanged.
 
 Invariants: one shared httpx.AsyncClient (pooled, trust_env=False: no proxies from the
@@ -35,8 +36,9 @@ from epd.protocol import ModelCard, ModelList
 from epd.proxy.config import ROLES, STRATEGIES, ProxyConfig
 from epd.proxy.metrics import CONTENT_TYPE, ProxyMetrics
 from epd.proxy.orchestrator import Encoded, EncodeStage, collect_images
+from epd.proxy.pd import PDFlow, check_pd_body
 from epd.proxy.registry import HealthFn, Node, NodeRegistry, RoleConflict, http_health_fn
-from epd.proxy.relay import PassThrough, Relay, passthrough
+from epd.proxy.relay import ClientGone, PassThrough, Relay, passthrough
 from epd.proxy.routing import make_routers
 
 logger = logging.getLogger("epd.proxy")
@@ -72,6 +74,9 @@ class Proxy:
             client, self.registry, self.routers["encoder"], self.metrics, timeout
         )
         self.relay = Relay(client, self.registry, self.metrics, timeout)
+        self.pd_flow = PDFlow(
+            client, self.registry, self.metrics, self.relay, self.encode_stage, timeout
+        )
         self._tasks: set[asyncio.Task] = set()
         for url, role in config.nodes:
             self.registry.add(url, role)
@@ -81,41 +86,47 @@ class Proxy:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    def pick_llm(self) -> Node:
-        reg, mode = self.registry, self.config.mode
-        pd_only = not reg.nodes("llm") and (reg.nodes("prefill") or reg.nodes("decode"))
-        if mode == "pd" or (mode == "auto" and pd_only):
-            for role in ("prefill", "decode"):
-                if not reg.healthy(role):
-                    raise _no_node(role, len(reg.nodes(role)))
-            raise EPDError(
-                "Prefill/decode disaggregation (--mode pd) is not available yet; "
-                "register 'llm' nodes instead.",
-                type="not_implemented",
-                code="not_implemented",
-                status=501,
-            )
-        node = self.routers["llm"].choose(reg.healthy("llm"))
+    def use_pd(self) -> bool:
+        """--mode pd: always; colocated: never; auto: when no healthy llm node exists and
+        prefill or decode nodes are registered."""
+        mode, reg = self.config.mode, self.registry
+        if mode != "auto":
+            return mode == "pd"
+        return not reg.healthy("llm") and bool(reg.nodes("prefill") or reg.nodes("decode"))
+
+    def pick(self, role: str) -> Node:
+        node = self.routers[role].choose(self.registry.healthy(role))
         if node is None:
-            raise _no_node("llm", len(reg.nodes("llm")))
+            raise _no_node(role, len(self.registry.nodes(role)))
         return node
 
     async def handle(self, request: Request, path: str) -> Response:
         t0 = time.perf_counter()
+        encoded = Encoded()
         try:
             body = await _parse_body(request)
             slots = collect_images(body) if path == CHAT else []
-            label = "image" if slots else "text"
-            node = self.pick_llm()
+            pd = self.use_pd()
+            if pd:
+                check_pd_body(body)
+                nodes = [self.pick("prefill"), self.pick("decode")]
+                label = "epd_pd" if slots else "pd"
+            else:
+                nodes = [self.pick("llm")]
+                label = "image" if slots else "text"
             if slots and not self.registry.healthy("encoder"):
                 raise _no_node("encoder", len(self.registry.nodes("encoder")))
             self.metrics.requests.labels(label).inc()
-            encoded = await self.encode_stage.encode(slots) if slots else Encoded()
             if slots:
+                encoded = await self.encode_stage.encode(slots)
                 body = encoded.attach_to(body)
+            if pd:
+                return await self.pd_flow.run(
+                    request, *nodes, path, body, encoded, label=label, t0=t0
+                )
             return await self.relay.forward(
                 request,
-                node,
+                nodes[0],
                 path,
                 body,
                 stage="llm",
@@ -129,6 +140,9 @@ class Proxy:
         except PassThrough as p:
             self.metrics.errors.labels(f"upstream_{p.status}").inc()
             return p.response()
+        except ClientGone:
+            self.metrics.errors.labels("client_disconnect").inc()
+            return Response(status_code=499)
 
 
 def _no_node(role: str, registered: int) -> EPDError:
