@@ -103,9 +103,9 @@ def stream_chat(client, messages, max_tokens=12, **kw):
 
 
 def assert_same_text(got: str, ref_text: str) -> None:
-    # transformers decodes a trailing incomplete UTF-8 sequence (max_tokens cut inside a
-    # character) as U+FFFD; the engine's incremental detokenizer holds it back.
-    assert got in (ref_text, ref_text.rstrip("\ufffd"))
+    # Strict: a trailing incomplete UTF-8 sequence (max_tokens cut inside a character) is
+    # U+FFFD in both: the engine flushes what its detokenizer held back at the end.
+    assert got == ref_text
 
 
 def check_against_reference(client, processor, llava_dir, messages, max_tokens=12):

@@ -168,8 +168,9 @@ class LLMEngine:
     # -- the step --------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         outputs, self._pending = self._pending, []
-        if self.epd.busy or self.epd.has_events():
-            outputs += self._advance_migrations()
+        waiting_epd = self.scheduler.with_status(SeqStatus.WAITING_EPD_MIGRATION)
+        if waiting_epd or self.epd.busy or self.epd.has_events():
+            outputs += self._advance_migrations(waiting_epd)
         sched = self.scheduler.schedule()
         self._counters["preemptions"] += len(sched.preempted)
         if sched.is_empty:
@@ -201,8 +202,7 @@ class LLMEngine:
                 outputs.append(self._append(seq, tok, lp))
         return outputs
 
-    def _advance_migrations(self) -> list[RequestOutput]:
-        waiting = self.scheduler.with_status(SeqStatus.WAITING_EPD_MIGRATION)
+    def _advance_migrations(self, waiting: list[Sequence]) -> list[RequestOutput]:
         outs = []
         for seq, err in self.epd.advance(waiting):
             self.scheduler.finish(seq, FinishReason.ERROR)
