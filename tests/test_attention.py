@@ -137,3 +137,36 @@ def test_hf_llama_with_epd_paged_matches_sdpa_chunked_and_decode():
                 off += n
     torch.testing.assert_close(torch.cat(got["a"]), want_a, atol=1e-5, rtol=1e-4)
     torch.testing.assert_close(torch.cat(got["b"]), want_b, atol=1e-5, rtol=1e-4)
+
+
+def test_cpu_decode_kernel_matches_sdpa_backend_with_padded_group():
+    from epd.llm.attention.sdpa import GatherSDPABackend
+
+    torch.manual_seed(2)
+    cache = make_cache(num_blocks=12)
+    H, KVH, D = 4, 2, 8
+    # Three decodes in one group (2-3 blocks of 4): contexts 6, 9 and 11 tokens, so the
+    # shorter ones are padded; padded slots hold garbage that must weigh exactly 0.
+    seqs = [([3, 7], 6), ([0, 4, 6], 9), ([1, 2, 5], 11)]
+    cache.tensor.normal_()
+    fulls = []
+    for table, n in seqs:
+        k, v = torch.randn(n, KVH, D), torch.randn(n, KVH, D)
+        blocks = torch.tensor([table[p // BS] for p in range(n - 1)])
+        cache.write(0, blocks, torch.arange(n - 1) % BS, k[:-1], v[:-1])
+        fulls.append((k, v))
+    entries = [BatchEntry(t, n - 1, 1) for t, n in seqs]
+    meta = build_attention_metadata(entries, BS, cache, get_backend("cpu"), "cpu")
+    assert len(meta.decodes) == 1 and meta.decodes[0].kv_rows.shape == (2, 3, KVH, 3)
+    assert meta.decodes[0].key_bias.isinf().sum() == 3 * 12 - (6 + 9 + 11)
+    q = torch.randn(3, H, D)
+    k_new = torch.stack([k[-1] for k, _ in fulls])
+    v_new = torch.stack([v[-1] for _, v in fulls])
+    saved = cache.tensor.clone()
+    out_cpu = get_backend("cpu").forward(0, q, k_new, v_new, meta, D**-0.5)
+    cache.tensor.copy_(saved)
+    out_sdpa = GatherSDPABackend().forward(0, q, k_new, v_new, meta, D**-0.5)
+    for i, (k, v) in enumerate(fulls):
+        expect = naive(q[i : i + 1], k, v, k.shape[0] - 1)
+        torch.testing.assert_close(out_cpu[i : i + 1], expect, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out_cpu, out_sdpa, atol=1e-5, rtol=1e-5)

@@ -17,7 +17,7 @@ def make_cache(num_blocks=6, block_size=4, layers=2, kv_heads=2, head_dim=8):
 def test_one_contiguous_tensor_with_contiguous_blocks():
     cache = make_cache()
     t = cache.tensor
-    assert t.is_contiguous() and t.shape == (6, 2, 2, 4, 2, 8)
+    assert t.is_contiguous() and t.shape == (6, 2, 2, 2, 4, 8)  # head-major blocks
     assert cache.block_nbytes == 2 * 2 * 4 * 2 * 8 * 4 == cache.layout.block_nbytes
     assert cache.block_range(3) == (3 * cache.block_nbytes, cache.block_nbytes)
     # Block 3's bytes (all layers, K and V) are exactly one range of the flat storage.
@@ -58,3 +58,26 @@ def test_memory_budget_and_config_validation():
         EngineConfig(model_dir="x", attention_backend="tpu")
     cfg = EngineConfig(model_dir="x", device="cpu")
     assert cfg.resolved_dtype() == "float32" and cfg.resolved_attention_backend() == "cpu"
+
+
+def test_gather_rows_gives_attention_layout_for_any_layer():
+    cache = make_cache(num_blocks=6, block_size=4, layers=3, kv_heads=2, head_dim=8)
+    torch.manual_seed(1)
+    k, v = torch.randn(7, 2, 8), torch.randn(7, 2, 8)
+    blocks = torch.tensor([5, 5, 5, 5, 2, 2, 2])
+    offsets = torch.tensor([0, 1, 2, 3, 0, 1, 2])
+    cache.write(2, blocks, offsets, k, v)
+    # layer() views write through to the head-major storage.
+    k_view, _ = cache.layer(2)
+    assert torch.equal(k_view[5, 1], k[1]) and torch.equal(cache.tensor[2, 2, 1, 1, :3], v[4:, 1])
+    tables = torch.tensor([[5, 2], [2, 0]])
+    rows = cache.row_index(tables)
+    assert rows.shape == (2, 2, 2, 2)
+    gk, gv = cache.gather_rows(2, rows)
+    assert gk.shape == (2, 2, 8, 8) and gk.is_contiguous() and gv.is_contiguous()
+    assert torch.equal(gk[0, :, :7], k.transpose(0, 1)) and torch.equal(gv[0, :, :7], v.transpose(0, 1))
+    assert torch.equal(gk[1, :, :3], k[4:].transpose(0, 1))
+    other_k, _ = cache.gather_rows(1, rows)  # same rows, another layer: untouched
+    assert other_k.abs().sum() == 0
+    tk, tv = cache.gather(2, tables)
+    assert torch.equal(tk, gk.transpose(1, 2)) and torch.equal(tv, gv.transpose(1, 2))

@@ -3,7 +3,8 @@
 A step's tokens are packed into one row (batch size 1): first every single-token
 sequence (decodes; batched together), then each multi-token prefill chunk. The
 metadata is built once per step and shared by every layer: slot mapping for the K/V
-writes, padded block tables + key mask for the batched decode, and per-prefill slices.
+writes, padded block tables, cache row ids (`PagedKVCache.row_index`) and key masks for
+the batched decode, and per-prefill slices. Layers only add their row offset.
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ class DecodeGroup:
     end: int
     block_tables: torch.Tensor  # [B, max_blocks] (padded with block 0, masked)
     key_mask: torch.Tensor  # [B, 1, 1, max_blocks * block_size] bool, True = attend
+    kv_rows: torch.Tensor  # [2, B, kv_heads, max_blocks] layer-0 cache rows (K, V)
+    key_bias: torch.Tensor  # key_mask as an additive 0 / -inf bias, in the cache dtype
 
 
 @dataclass
@@ -37,6 +40,7 @@ class PrefillSlice:
     num_cached: int  # tokens already in the cache before this chunk
     block_table: torch.Tensor  # [1, n] blocks covering num_cached + (end - start) tokens
     key_mask: torch.Tensor | None  # [L, num_cached + L] bool; None = plain causal, no prefix
+    kv_rows: torch.Tensor | None = None  # [2, 1, kv_heads, n] layer-0 cache rows; with a prefix
 
 
 @dataclass
@@ -98,11 +102,16 @@ def build_attention_metadata(
                       for e, nb in zip(decodes[lo:hi], nblocks[lo:hi], strict=True)]
             ctx_t = torch.tensor(ctx[lo:hi], device=device)
             key_pos = torch.arange(width * block_size, device=device)
+            tables = torch.tensor(padded, dtype=torch.long, device=device)
+            key_mask = (key_pos[None, :] < ctx_t[:, None])[:, None, None, :]
+            bias = torch.zeros(key_mask.shape, dtype=kv_cache.tensor.dtype, device=device)
             groups.append(DecodeGroup(
                 start=lo,
                 end=hi,
-                block_tables=torch.tensor(padded, dtype=torch.long, device=device),
-                key_mask=(key_pos[None, :] < ctx_t[:, None])[:, None, None, :],
+                block_tables=tables,
+                key_mask=key_mask,
+                kv_rows=kv_cache.row_index(tables),
+                key_bias=bias.masked_fill_(~key_mask, float("-inf")),
             ))
     prefills: list[PrefillSlice] = []
     start = len(decodes)
@@ -112,17 +121,20 @@ def build_attention_metadata(
         pos = range(e.num_computed, total)
         slot_blocks.extend(e.block_table[p // block_size] for p in pos)
         slot_offsets.extend(p % block_size for p in pos)
-        mask = None
+        mask, rows = None, None
+        table = torch.tensor([e.block_table[:nblocks]], dtype=torch.long, device=device)
         if e.num_computed:
             q_pos = torch.arange(e.num_computed, total, device=device)
             mask = torch.arange(total, device=device)[None, :] <= q_pos[:, None]
+            rows = kv_cache.row_index(table)
         prefills.append(
             PrefillSlice(
                 start=start,
                 end=start + e.num_new,
                 num_cached=e.num_computed,
-                block_table=torch.tensor([e.block_table[:nblocks]], dtype=torch.long, device=device),
+                block_table=table,
                 key_mask=mask,
+                kv_rows=rows,
             )
         )
         start += e.num_new
