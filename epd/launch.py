@@ -26,8 +26,6 @@ from pathlib import Path
 
 import httpx
 
-# Roles prefill/decode arrive in a later issue; until then --pd only explains that.
-PD_AVAILABLE = False
 EXAMPLE_IMAGE = Path(__file__).resolve().parents[1] / "examples" / "images" / "cat.png"
 EXAMPLE_PROMPT = "Describe this image."
 
@@ -294,12 +292,6 @@ def _on_sigterm(signum, frame) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.pd and not PD_AVAILABLE:
-        _say(
-            "epd launch: --pd (encoder + prefill + decode) is not available yet: the prefill "
-            "and decode roles are not implemented in this version. Run without --pd."
-        )
-        return 2
     counts = ("encoders", "prefills", "decodes") if args.pd else ("encoders", "llms")
     if any(getattr(args, name) < 1 for name in counts):
         _say(f"epd launch: {', '.join('--' + n for n in counts)} must be at least 1")

@@ -65,21 +65,14 @@ def port_open(port: int) -> bool:
 
 
 @pytest.mark.e2e
-def test_launch_runs_the_example_and_stops_everything(llava_dir):
+@pytest.mark.parametrize("pd", [False, True], ids=["colocated", "pd"])
+def test_launch_runs_the_example_and_stops_everything(llava_dir, pd):
     port = free_port()
+    kv = "--num-blocks 32 --max-model-len 512"
+    mode = ["--pd", "--extra-prefill-args", kv, "--extra-decode-args", kv] if pd else []
+    args = ["launch", "--model", llava_dir, "--port", port, "--exit-after-example"]
     proc = run_cli(
-        [
-            "launch",
-            "--model",
-            llava_dir,
-            "--port",
-            port,
-            "--exit-after-example",
-            "--max-tokens",
-            "6",
-            "--extra-llm-args",
-            "--num-blocks 32 --max-model-len 512",
-        ],
+        [*args, "--max-tokens", "6", "--extra-llm-args", kv, *mode],
         timeout_s=600,
     )
     out = proc.stdout + proc.stderr
@@ -98,15 +91,13 @@ def test_launch_runs_the_example_and_stops_everything(llava_dir):
         }
     ]
     assert ast.literal_eval(reply.group(1)) == reference_generate(llava_dir, messages, 6).text
-    ports = [int(p) for p in re.findall(r"started \S+\s+http://127\.0\.0\.1:(\d+)", out)]
-    assert len(ports) == 3 and port in ports
+    started = re.findall(r"started (\S+)\s+http://127\.0\.0\.1:(\d+)", out)
+    names = [name for name, _ in started]
+    assert names == (
+        ["encoder0", "prefill0", "decode0", "proxy"] if pd else ["encoder0", "llm0", "proxy"]
+    )
+    ports = [int(p) for _, p in started]
+    assert port in ports
     assert epd_processes_with(ports) == []
     assert not any(port_open(p) for p in ports)
     assert "all processes stopped" in out
-
-
-@pytest.mark.e2e
-def test_launch_pd_is_not_available_yet():
-    proc = run_cli(["launch", "--pd", "--no-example"], timeout_s=60)
-    assert proc.returncode == 2
-    assert "not available yet" in proc.stdout

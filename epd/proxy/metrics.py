@@ -113,7 +113,7 @@ class ProxyMetrics:
                 continue
             self.engine_stage_seconds.labels(key).observe(float(value))
             kind = _MIGRATION_KEYS.get(key)
-            if kind is not None:
+            if kind is not None and value > 0:  # nodes report 0.0 when nothing migrated
                 self.migrate_seconds.labels(kind).observe(float(value))
 
     def render(self) -> bytes:
