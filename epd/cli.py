@@ -22,7 +22,7 @@ COMMANDS = {
     "tiny-model": ("epd.models.tiny_cli", "write a tiny offline checkpoint in Hugging Face layout"),
     "generate": ("epd.llm.generate_cli", "offline greedy generation with the engine (no server)"),
     "proxy": ("epd.proxy.server", "the OpenAI-compatible front door (E -> P -> D routing)"),
-    "launch": ("epd.launch", "start encoder + LLM engine(s) + proxy on this machine"),
+    "launch": ("epd.launch", "start encoder + LLM engine(s) (or prefill + decode with --pd) + proxy on this machine"),
 }
 
 

@@ -41,12 +41,12 @@ class PassThrough(Exception):
 
     def __init__(self, status: int, content: bytes, headers: dict[str, str]) -> None:
         super().__init__(f"upstream HTTP {status}")
-        self.status = status
+        self.status_code = status
         self.content = content
         self.headers = headers
 
     def response(self) -> Response:
-        return Response(self.content, status_code=self.status, headers=self.headers)
+        return Response(self.content, status_code=self.status_code, headers=self.headers)
 
 
 def passthrough(r: httpx.Response, remap: Callable[[Any], Any] | None = None) -> PassThrough:

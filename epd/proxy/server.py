@@ -138,7 +138,7 @@ class Proxy:
             self.metrics.errors.labels(e.code or e.type).inc()
             return error_response(e)
         except PassThrough as p:
-            self.metrics.errors.labels(f"upstream_{p.status}").inc()
+            self.metrics.errors.labels(f"upstream_{p.status_code}").inc()
             return p.response()
         except ClientGone:
             self.metrics.errors.labels("client_disconnect").inc()
