@@ -17,7 +17,7 @@ import httpx
 import openai
 import pytest
 from helpers import EXAMPLE_IMAGES, ServerProcess
-from test_proxy_e2e import messages, reference, wait_for
+from helpers.chat import messages, reference, wait_for
 
 pytestmark = pytest.mark.e2e
 

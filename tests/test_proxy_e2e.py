@@ -7,11 +7,8 @@ kills the encoder (so it runs last in this module) and restarts it on the same p
 
 from __future__ import annotations
 
-import base64
-import functools
 import os
 import signal
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -19,50 +16,12 @@ import httpx
 import openai
 import pytest
 from helpers import EXAMPLE_IMAGES, ServerProcess, free_port
-
-from epd.models.reference import reference_generate
+from helpers.chat import MAX_TOKENS, messages, reference, wait_for
 
 pytestmark = pytest.mark.e2e
 
-MAX_TOKENS = 8
 NUM_BLOCKS = 96
 IMAGES = ["cat.png", "sunset.png", "spiral.webp", "city_street.jpg"]
-MIME = {"png": "image/png", "jpg": "image/jpeg", "webp": "image/webp"}
-
-
-@functools.cache
-def data_url(name: str) -> str:
-    raw = (EXAMPLE_IMAGES / name).read_bytes()
-    return f"data:{MIME[name.rsplit('.', 1)[1]]};base64,{base64.b64encode(raw).decode()}"
-
-
-def image_url(name: str) -> str:
-    """`cat.png` -> a data URL; `file:cat.png` -> the file's path (encoder allow-listed)."""
-    if name.startswith("file:"):
-        return str(EXAMPLE_IMAGES / name.removeprefix("file:"))
-    return data_url(name)
-
-
-def messages(images: tuple[str, ...], text: str = "What is in the picture?") -> list[dict]:
-    if not images:
-        return [{"role": "user", "content": text}]
-    parts = [{"type": "image_url", "image_url": {"url": image_url(n)}} for n in images]
-    return [{"role": "user", "content": [*parts, {"type": "text", "text": text}]}]
-
-
-_REF_LOCK = threading.Lock()
-
-
-@functools.cache
-def _reference(model_dir: str, images: tuple[str, ...], text: str) -> str:
-    return reference_generate(model_dir, messages(images, text), MAX_TOKENS).text
-
-
-def reference(model_dir, images: tuple[str, ...], text: str = "What is in the picture?") -> str:
-    with _REF_LOCK:
-        return _reference(str(model_dir), images, text)
-
-
 class Cluster:
     def __init__(self, model_dir, log_dir) -> None:
         self.model_dir, self.log_dir = model_dir, log_dir
@@ -151,15 +110,6 @@ class Cluster:
     def node(self, role: str) -> dict:
         nodes = httpx.get(f"{self.proxy.url}/nodes", timeout=10).json()["nodes"]
         return next(n for n in nodes if n["role"] == role)
-
-
-def wait_for(predicate, timeout_s: float = 20.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.1)
-    return predicate()
 
 
 @pytest.fixture(scope="module")
