@@ -4,7 +4,8 @@ Invariants: only the engine thread touches the engine's state; requests and abor
 enter through a locked inbox drained at the start of every step; the thread sleeps on a
 condition while there is no work, and the migrator's events (EPD migration done or
 failed) notify that condition, so a finished transfer is applied at once; while
-migrations are pending the sleep is bounded (deadlines, pool space). An output carrying
+migrations are pending the sleep is bounded (deadlines, pool space), and so it is while a
+prefill engine holds leased KV blocks (until the next lease expiry). An output carrying
 an `exception` (a 400/502 from the EPD migration, before any token) is raised in the
 request's stream, so the client gets an HTTP error. A stream whose consumer goes away (GeneratorExit /
 CancelledError, e.g. a client disconnect) aborts its request, freeing its blocks.
@@ -93,13 +94,17 @@ class AsyncLLMEngine:
         mm_items: Seq[MMItem] = (),
         prompt_param: str = "prompt",
         epd: Any = None,
+        *,
+        prefill_only: bool = False,
+        migration: Any = None,
     ) -> AsyncIterator[RequestOutput]:
         if self._thread is None or self._stopping:
             raise EPDError("the engine is not running", type="service_unavailable", status=503)
         if request_id in self._streams:
             raise EPDError(f"request id {request_id!r} is already in use", param="request_id")
         seq = self.engine.make_sequence(request_id, prompt_token_ids, sampling, mm_items,
-                                        prompt_param, epd)
+                                        prompt_param, epd, prefill_only=prefill_only,
+                                        migration=migration)
         queue: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = (asyncio.get_running_loop(), queue)
         self._submit("add", seq)
@@ -136,9 +141,11 @@ class AsyncLLMEngine:
         while True:
             with self._cond:
                 while not (self._stopping or self._inbox or engine.has_work()):
-                    # Pending migrations: wake now and then for deadlines and pool space.
-                    self._cond.wait(_PENDING_POLL_S if engine.has_unfinished() else None)
-                    if engine.has_unfinished():
+                    # Pending migrations: wake now and then for deadlines and pool space;
+                    # handed-over KV blocks: wake when the next lease expires.
+                    timeout = engine.idle_timeout_s(_PENDING_POLL_S)
+                    self._cond.wait(timeout)
+                    if timeout is not None:
                         break
                 inbox, self._inbox = self._inbox, []
             if self._stopping:

@@ -14,6 +14,7 @@ VISION_MODES = ("local", "none")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 ATTENTION_BACKENDS = ("auto", "cpu", "cuda")
 TRANSFER_KINDS = ("auto", "tcp", "rdma", "nvlink")
+ROLES = ("llm", "prefill", "decode")
 
 
 @dataclass(frozen=True)
@@ -41,6 +42,11 @@ class EngineConfig:
     transfer_host: str = "127.0.0.1"  # data-plane address (a concrete local IP)
     migration_timeout_s: float = 30.0
     engine_id: str | None = None  # transfer id presented to peers (default: random)
+    # PD disaggregation: "prefill" prefills, keeps the KV blocks under a lease of
+    # lease_seconds and hands them over; "decode" pulls them (epd.llm.pd).
+    role: str = "llm"
+    lease_seconds: float = 60.0
+    public_url: str = "http://127.0.0.1:8000"  # this server's HTTP base URL (handshakes)
 
     def __post_init__(self) -> None:
         def positive(name: str, value: int | None) -> None:
@@ -60,6 +66,10 @@ class EngineConfig:
             raise ValueError(f"transfer must be one of {TRANSFER_KINDS}, got {self.transfer!r}")
         if not self.migration_timeout_s > 0:
             raise ValueError(f"migration_timeout_s must be > 0, got {self.migration_timeout_s!r}")
+        if self.role not in ROLES:
+            raise ValueError(f"role must be one of {ROLES}, got {self.role!r}")
+        if not self.lease_seconds > 0:
+            raise ValueError(f"lease_seconds must be > 0, got {self.lease_seconds!r}")
         if self.vision not in VISION_MODES:
             raise ValueError(f"vision must be one of {VISION_MODES}, got {self.vision!r}")
         if self.dtype not in DTYPES:

@@ -12,6 +12,12 @@ first applies its events on this thread (the only thread that changes statuses),
 transfer never holds up decoding. `wakeup` (set by the async front) is called when a
 migration event arrives; `idle_wait_s` lets a synchronous caller's idle step sleep on
 those events instead of spinning.
+
+PD (`config.role`): a prefill engine ends a `prefill_only` sequence after its first token
+and hands its KV blocks over under a lease (`PDProducer`; the output carries the
+`migration` request); a decode engine admits sequences with a `migration` in
+WAITING_MIGRATION, pulls the blocks (`PDMigrations`), emits the prefill's first token and
+decodes. Both kinds of migration share one transfer engine and migrator (`TransferHub`).
 """
 
 from __future__ import annotations
@@ -28,9 +34,10 @@ from epd.errors import EPDError
 from epd.llm.block_manager import KVBlockManager
 from epd.llm.config import EngineConfig
 from epd.llm.detokenizer import IncrementalDetokenizer
-from epd.llm.migration import EPDMigrations
+from epd.llm.migration import EPDMigrations, TransferHub
 from epd.llm.model_runner import ModelRunner
 from epd.llm.outputs import EngineStats, RequestOutput
+from epd.llm.pd.engine_mixin import PDEngineMixin
 from epd.llm.sampler import Sampler
 from epd.llm.sampling_params import SamplingParams
 from epd.llm.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
@@ -40,7 +47,7 @@ from epd.statemachine import FinishReason, SeqStatus, transition
 logger = logging.getLogger(__name__)
 
 
-class LLMEngine:
+class LLMEngine(PDEngineMixin):
     def __init__(self, config: EngineConfig) -> None:
         from epd.models import MultimodalProcessor
 
@@ -72,11 +79,15 @@ class LLMEngine:
         self.wakeup: Callable[[], None] = lambda: None
         self.idle_wait_s = 0.005
         self._migration_event = threading.Event()
+        self.hub = TransferHub(config, notify=self._on_migration_event)
         self.epd = EPDMigrations(config, hidden_size=self.spec.hidden_size,
-                                 dtype=self.runner.dtype, notify=self._on_migration_event)
+                                 dtype=self.runner.dtype, hub=self.hub)
         self.scheduler.on_release.append(self._release_epd)
+        self.pd_out: Any = None  # prefill role: epd.llm.pd.PDProducer
+        self.pd_in: Any = None  # decode role: epd.llm.pd.PDMigrations
+        if config.role != "llm":
+            self._start_pd()
 
-    # -- requests --------------------------------------------------------------------
     def add_request(
         self,
         request_id: str,
@@ -85,9 +96,11 @@ class LLMEngine:
         mm_items: Seq[MMItem] = (),
         prompt_param: str = "prompt",
         epd: Any = None,
+        prefill_only: bool = False,
+        migration: Any = None,
     ) -> Sequence:
         seq = self.make_sequence(request_id, prompt_token_ids, sampling, mm_items, prompt_param,
-                                 epd)
+                                 epd, prefill_only=prefill_only, migration=migration)
         self.add_sequence(seq)
         return seq
 
@@ -99,6 +112,9 @@ class LLMEngine:
         mm_items: Seq[MMItem] = (),
         prompt_param: str = "prompt",
         epd: Any = None,
+        *,
+        prefill_only: bool = False,
+        migration: Any = None,
     ) -> Sequence:
         """Validate a request (EPDError 400 naming the parameter) into a new Sequence.
         Touches no engine state, so any thread may call it."""
@@ -116,7 +132,9 @@ class LLMEngine:
         if epd is not None and len(epd.images) != len(mm_items):
             raise EPDError(f"{len(epd.images)} encoded images for {len(mm_items)} image spans",
                            param="encoder_result")
-        need = self.blocks.blocks_needed(min(len(ids) + sampling.max_tokens, self.max_model_len))
+        self._check_pd(ids, mm_items, epd, prefill_only, migration)
+        kv_tokens = len(ids) if prefill_only else len(ids) + sampling.max_tokens
+        need = self.blocks.blocks_needed(min(kv_tokens, self.max_model_len))
         if need > self.layout.num_blocks:
             raise EPDError(
                 f"the request needs {need} KV blocks, the cache has {self.layout.num_blocks}",
@@ -124,7 +142,8 @@ class LLMEngine:
             )
         return Sequence(
             request_id=request_id, prompt_token_ids=ids, sampling=sampling,
-            mm_items=list(mm_items), epd=epd,
+            mm_items=list(mm_items), epd=epd, prefill_only=prefill_only, migration=migration,
+            preemptible=migration is None or not mm_items,
         )
 
     def add_sequence(self, seq: Sequence) -> None:
@@ -151,11 +170,24 @@ class LLMEngine:
             or any(q.status in _STEPPABLE for q in s.seqs.values())
             or any(not self.epd.is_blocked(q.request_id)
                    for q in s.with_status(SeqStatus.WAITING_EPD_MIGRATION))
+            or (self.pd_out is not None and self.pd_out.has_work())
+            or (self.pd_in is not None and any(
+                not self.pd_in.is_blocked(q.request_id)
+                for q in s.with_status(SeqStatus.WAITING_MIGRATION)))
         )
+
+    def idle_timeout_s(self, poll_s: float) -> float | None:
+        """How long an idle engine loop may sleep before a step is due again (None: until
+        woken): `poll_s` while requests are pending, else until the next lease expires."""
+        if self.scheduler.has_unfinished():
+            return poll_s
+        return self.pd_out.seconds_to_next_expiry() if self.pd_out is not None else None
 
     def close(self) -> None:
         """Stop the migrator and the transfer engine (after aborting everything)."""
-        self.epd.close()
+        if self.pd_out is not None:
+            self.pd_out.close()
+        self.hub.close()
 
     def _on_migration_event(self) -> None:
         self._migration_event.set()
@@ -168,13 +200,12 @@ class LLMEngine:
     # -- the step --------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         outputs, self._pending = self._pending, []
-        waiting_epd = self.scheduler.with_status(SeqStatus.WAITING_EPD_MIGRATION)
-        if waiting_epd or self.epd.busy or self.epd.has_events():
-            outputs += self._advance_migrations(waiting_epd)
+        outputs += self._advance_migrations()
         sched = self.scheduler.schedule()
         self._counters["preemptions"] += len(sched.preempted)
         if sched.is_empty:
-            if self.idle_wait_s and self.epd.busy and not outputs:
+            busy = self.epd.busy or (self.pd_in is not None and self.pd_in.busy)
+            if self.idle_wait_s and busy and not outputs:
                 self._migration_event.wait(self.idle_wait_s)
             self._migration_event.clear()
             return outputs
@@ -183,7 +214,7 @@ class LLMEngine:
         for s in sched.scheduled:
             transition(s.seq, SeqStatus.LOCKED)
         try:
-            logits = self.runner.execute(sched.scheduled, self.blocks.block_table)
+            logits = self.runner.execute(sched.scheduled, self._block_table)
         except Exception as exc:  # keep serving: fail only this batch
             logger.exception("forward pass failed")
             return outputs + self._fail(sched, exc)
@@ -199,17 +230,11 @@ class LLMEngine:
                 logits, [q.sampling for q in samplers], [q.generator for q in samplers]
             )
             for seq, tok, lp in zip(samplers, result.token_ids, result.logprobs, strict=True):
-                outputs.append(self._append(seq, tok, lp))
+                if seq.prefill_only:
+                    outputs.append(self._hand_over(seq, tok, lp))
+                else:
+                    outputs.append(self._append(seq, tok, lp))
         return outputs
-
-    def _advance_migrations(self, waiting: list[Sequence]) -> list[RequestOutput]:
-        outs = []
-        for seq, err in self.epd.advance(waiting):
-            self.scheduler.finish(seq, FinishReason.ERROR)
-            out = self._output(seq, [], [], "")
-            out.error, out.exception = err.message, err
-            outs.append(out)
-        return outs
 
     def _append(self, seq: Sequence, token: int, logprob) -> RequestOutput:
         seq.append_token(token)
@@ -281,6 +306,8 @@ class LLMEngine:
             num_preemptions=self._counters["preemptions"],
             num_steps=self._counters["steps"],
             **self.epd.stats(),
+            **(self.pd_out.stats() if self.pd_out is not None else {}),
+            **(self.pd_in.stats() if self.pd_in is not None else {}),
         )
 
 

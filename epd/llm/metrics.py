@@ -18,7 +18,11 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+)
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 PREFIX = "epd"
@@ -33,6 +37,16 @@ _ENGINE_GAUGES = {
     "kv_blocks_total": ("kv_blocks_total", "KV cache blocks in the pool."),
     "kv_blocks_used": ("kv_blocks_used", "KV cache blocks held by sequences or the prefix cache."),
     "kv_blocks_free": ("kv_blocks_free", "KV cache blocks free for allocation."),
+    "pd_leases_active": ("pd_leases_active", "Prefill role: KV hand-overs still leased."),
+    "pd_num_migrating": ("pd_num_migrating", "Decode role: KV migrations in progress."),
+}
+# PD counters (metric name without _total -> EngineStats attribute), read at scrape time.
+_PD_COUNTERS = {
+    "pd_handovers": ("pd_handovers", "Prefill role: prefills handed over to decode engines."),
+    "pd_leases_expired": ("pd_leases_expired", "Prefill role: KV leases ended by expiry."),
+    "pd_migrations": ("pd_migrations", "Decode role: KV migrations completed."),
+    "pd_migrations_failed": ("pd_migrations_failed", "Decode role: KV migrations failed."),
+    "pd_migration_bytes": ("pd_migration_bytes", "Decode role: KV bytes pulled."),
 }
 
 
@@ -50,11 +64,27 @@ class _EngineCollector:
             value = getattr(stats, attr, None) if stats is not None else None
             if value is not None:
                 yield GaugeMetricFamily(f"{PREFIX}_{name}", doc, value=float(value))
+        if stats is not None:
+            yield from _pd_metrics(stats)
         yield GaugeMetricFamily(
             f"{PREFIX}_generation_tokens_per_second",
             f"Output tokens per second over the last {TOKENS_PER_S_WINDOW_S:.0f} s.",
             value=self._tokens_per_s(),
         )
+
+
+def _pd_metrics(stats: Any) -> Iterator[Any]:
+    from epd.llm.pd.consumer import LATENCY_BUCKETS
+
+    for name, (attr, doc) in _PD_COUNTERS.items():
+        yield CounterMetricFamily(f"{PREFIX}_{name}", doc, value=float(getattr(stats, attr, 0)))
+    counts = tuple(getattr(stats, "pd_migration_seconds_buckets", ()) or ())
+    if len(counts) == len(LATENCY_BUCKETS):
+        buckets = [(str(b), float(c)) for b, c in zip(LATENCY_BUCKETS, counts, strict=True)]
+        buckets.append(("+Inf", float(stats.pd_migrations)))
+        yield HistogramMetricFamily(
+            f"{PREFIX}_pd_migration_seconds", "Decode role: KV migration latency (submit to "
+            "read complete).", buckets=buckets, sum_value=stats.pd_migration_seconds_sum)
 
 
 class ServerMetrics:

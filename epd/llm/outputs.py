@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from epd.llm.sequence import TokenLogprob
 
@@ -26,6 +27,9 @@ class RequestOutput:
     # set only before any token was produced.
     exception: Exception | None = None
     timings: dict[str, float] | None = None  # seconds per stage, on the final output
+    # Prefill role: the handed-over KV blocks (epd.protocol.MigrationRequest), on the
+    # final output of a prefill_only request.
+    migration: Any = None
 
 
 @dataclass(frozen=True)
@@ -49,6 +53,18 @@ class EngineStats:
     mm_blocks_referenced: int = 0
     epd_migrations: int = 0
     epd_migrations_failed: int = 0
+    # PD, prefill role: KV blocks handed over under leases.
+    pd_leases_active: int = 0
+    pd_leases_expired: int = 0
+    pd_handovers: int = 0
+    # PD, decode role: KV blocks pulled from prefill engines (latency: cumulative counts
+    # per bound of epd.llm.pd.consumer.LATENCY_BUCKETS).
+    pd_num_migrating: int = 0
+    pd_migrations: int = 0
+    pd_migrations_failed: int = 0
+    pd_migration_bytes: int = 0
+    pd_migration_seconds_sum: float = 0.0
+    pd_migration_seconds_buckets: tuple[int, ...] = ()
 
 
 @dataclass

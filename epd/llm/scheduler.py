@@ -2,13 +2,15 @@
 
 Invariants:
 - Queues derive from status: `running()` / `waiting()` are the sequences in RUNNING /
-  WAITING, ordered by arrival (FCFS). Sequences in an EPD migration status are held but
-  never scheduled; the engine moves them to WAITING once their features arrived. A preempted sequence keeps its arrival index, so it
-  goes back to the front of the waiting queue (everything still waiting arrived later).
+  WAITING, ordered by arrival (FCFS). Sequences in an EPD or PD migration status are held
+  but never scheduled; the engine moves them to WAITING (features arrived) or RUNNING (KV
+  blocks arrived). A preempted sequence keeps its arrival index, so it goes back to the
+  front of the waiting queue (everything still waiting arrived later).
 - Each step schedules at most `max_num_batched_tokens` tokens and `max_num_seqs` running
   sequences: running sequences first (decodes and unfinished prefill chunks), then
   waiting ones, whose prompt is chunked to the remaining budget when chunking is on.
-- When blocks run out, the latest-arrived running sequence is preempted: its blocks are
+- When blocks run out, the latest-arrived preemptible running sequence is preempted (a
+  non-preemptible one holds blocks for its whole length, so never needs more): its blocks are
   freed, `num_computed_tokens` resets to 0 and it later recomputes prompt + generated
   tokens (greedy/seeded requests then produce exactly the same tokens).
 - Every block a sequence holds is freed when it finishes or is aborted.
@@ -22,6 +24,8 @@ from dataclasses import dataclass, field
 from epd.llm.block_manager import KVBlockManager, MMSpanHash, hash_block_tokens
 from epd.llm.sequence import Sequence
 from epd.statemachine import FinishReason, SeqStatus, transition
+
+_NEW_STATUSES = (SeqStatus.WAITING, SeqStatus.WAITING_EPD_MIGRATION, SeqStatus.WAITING_MIGRATION)
 
 
 @dataclass(frozen=True)
@@ -93,9 +97,10 @@ class Scheduler:
     def add(self, seq: Sequence) -> None:
         if seq.request_id in self.seqs:
             raise ValueError(f"duplicate request id {seq.request_id!r}")
-        if seq.status not in (SeqStatus.WAITING, SeqStatus.WAITING_EPD_MIGRATION):
+        if seq.status not in _NEW_STATUSES:
             raise ValueError(
-                f"a new sequence must be WAITING or WAITING_EPD_MIGRATION, not {seq.status.name}"
+                f"a new sequence must be WAITING, WAITING_EPD_MIGRATION or WAITING_MIGRATION, "
+                f"not {seq.status.name}"
             )
         self._update_hashes(seq)
         self.seqs[seq.request_id] = seq
@@ -125,6 +130,12 @@ class Scheduler:
     def finish(self, seq: Sequence, reason: FinishReason) -> None:
         status = SeqStatus.ABORTED if reason == FinishReason.ERROR else SeqStatus.STOPPED
         transition(seq, status, reason=reason)
+        self._release(seq)
+
+    def hand_over(self, seq: Sequence) -> None:
+        """Prefill role: the sequence's KV blocks were handed to another process (the
+        caller holds them); it ends here without a finish reason."""
+        transition(seq, SeqStatus.TO_BE_MIGRATED)
         self._release(seq)
 
     def _release(self, seq: Sequence) -> None:
@@ -188,7 +199,10 @@ class Scheduler:
     ) -> bool:
         """Grow seq's blocks to num_tokens, preempting from the back of `running`."""
         while not self.blocks.append_slots(seq.request_id, num_tokens):
-            victim = running.pop()
+            k = max(j for j, q in enumerate(running) if q.preemptible or q is seq)
+            victim = running.pop(k)
+            if not victim.preemptible:  # seq itself, with all of its blocks: cannot happen
+                raise RuntimeError(f"{seq.request_id!r} is not preemptible but needs blocks")
             self._preempt(victim)
             preempted.append(victim)
             if victim is seq:

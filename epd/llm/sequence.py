@@ -67,6 +67,13 @@ class Sequence(StatusTracked):
     # starts in WAITING_EPD_MIGRATION and holds refs on its LLM-side feature entries.
     epd: Any = None
     epd_entries: list[Any] = field(default_factory=list)
+    # PD: a prefill-role sequence ends after its first token, handing its KV blocks over
+    # (TO_BE_MIGRATED); a decode-role one (`migration`: epd.protocol.MigrationRequest)
+    # starts in WAITING_MIGRATION and pulls them. `preemptible` False: never preempted
+    # (a migrated sequence with images: the decode engine cannot recompute its features).
+    prefill_only: bool = False
+    migration: Any = None
+    preemptible: bool = True
 
     def __post_init__(self) -> None:
         self.prompt_token_ids = list(self.prompt_token_ids)
@@ -75,7 +82,11 @@ class Sequence(StatusTracked):
         if self.sampling.seed is not None:
             self.generator = torch.Generator().manual_seed(self.sampling.seed)
         if not self.status_history:
-            first = SeqStatus.WAITING if self.epd is None else SeqStatus.WAITING_EPD_MIGRATION
+            first = SeqStatus.WAITING
+            if self.epd is not None:
+                first = SeqStatus.WAITING_EPD_MIGRATION
+            elif self.migration is not None:
+                first = SeqStatus.WAITING_MIGRATION
             init_status(self, first)
 
     @property
@@ -110,11 +121,16 @@ _EPD_STATUSES = frozenset(
     {SeqStatus.WAITING_EPD_MIGRATION, SeqStatus.RUNNING_EPD_MIGRATION,
      SeqStatus.EPD_MIGRATION_LOCKED}
 )
+_PD_STATUSES = frozenset(
+    {SeqStatus.WAITING_MIGRATION, SeqStatus.RUNNING_MIGRATION, SeqStatus.MIGRATION_LOCKED,
+     SeqStatus.MIGRATION_DONE}
+)
 
 
 def stage_timings(seq: Sequence) -> dict[str, float]:
     """Seconds per stage (`epd_timings` in responses), from `stage_durations`: `queue`
-    (WAITING), `epd_migration` (the three EPD migration statuses), `prefill` / `decode`
+    (WAITING), `epd_migration` (the three EPD migration statuses), `pd_migration` (the
+    four KV migration statuses, decode role only), `prefill` / `decode`
     (RUNNING + LOCKED before / after the first token), `total`."""
     d = stage_durations(seq)
     running = d.get("RUNNING", 0.0) + d.get("LOCKED", 0.0)
@@ -127,6 +143,7 @@ def stage_timings(seq: Sequence) -> dict[str, float]:
     out = {
         "queue": d.get("WAITING", 0.0),
         "epd_migration": sum(d.get(s.name, 0.0) for s in _EPD_STATUSES),
+        "pd_migration": sum(d.get(s.name, 0.0) for s in _PD_STATUSES),
         "prefill": max(0.0, running - decode),
         "decode": decode,
         "total": sum(d.values()),

@@ -12,6 +12,10 @@ Invariants:
 - EPD: chat requests with `encoder_result` pull image features from the encoder over the
   transfer layer (`--transfer`, bound to `--host`; created on the first such request).
   The dlslime data plane has no authentication: expose `--host` to trusted peers only.
+- PD (`--role prefill` / `--role decode`): see `epd.llm.pd.serving` for the contract.
+  Both roles register their KV cache with the transfer engine at start and serve
+  `POST /v1/transfer/connect`; the prefill role also `POST /v1/prefill/release` and a ZMQ
+  ack listener (bound to `--host`). The KV data plane is as unauthenticated as above.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from epd.errors import install_error_handlers
 from epd.llm.metrics import ServerMetrics
+from epd.llm.pd.serving import add_pd_routes, prefill_response
 from epd.llm.server_args import (  # noqa: F401 (add_arguments: the CLI entry point)
     add_arguments,
     engine_config_from_args,
@@ -134,7 +139,8 @@ def create_app(
 ) -> FastAPI:
     metrics = ServerMetrics(engine.stats)
     serving = OpenAIServing(engine, served_model_name, vision=vision, media_config=media_config,
-                            metrics=metrics, max_model_len=max_model_len, block_size=block_size)
+                            metrics=metrics, max_model_len=max_model_len, block_size=block_size,
+                            role=role)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -148,14 +154,21 @@ def create_app(
                 task.cancel()
             await asyncio.to_thread(engine.shutdown)
 
-    app = FastAPI(title="epd llm engine", lifespan=lifespan)
+    app = FastAPI(title=f"epd {role} engine", lifespan=lifespan)
     app.state.serving, app.state.metrics = serving, metrics
     install_error_handlers(app)
+    if role in ("prefill", "decode"):
+        add_pd_routes(app, engine, role)
     _count_errors(app, metrics)
 
     async def run_request(ereq, request: Request, stream: bool, collect_fn, stream_fn):
         tracker = metrics.track(ereq.num_prompt_tokens)
         gen = serving.generate(ereq, tracker)
+        if ereq.prefill_only:  # always JSON: a PrefillResponse
+            try:
+                return await until_disconnect(prefill_response(serving, ereq, gen), request)
+            except ClientDisconnected:
+                return Response(status_code=499)
         if not stream:
             try:
                 collected = await until_disconnect(serving.collect_from(gen), request)
@@ -235,10 +248,6 @@ def run(args) -> int:
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     role = getattr(args, "role", "llm")
-    if role != "llm":
-        print(f"epd serve --role {role}: not implemented yet (prefill/decode disaggregation "
-              "comes in a later release); use --role llm", file=sys.stderr)
-        return 2
     if not Path(args.model).is_dir():
         print(f"--model {args.model!r} is not a directory", file=sys.stderr)
         return 2

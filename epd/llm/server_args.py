@@ -1,4 +1,5 @@
-"""Flags of `epd serve --role llm|prefill|decode` and the configs built from them."""
+"""Flags of `epd serve --role llm|prefill|decode` and the configs built from them
+(`--lease-seconds` only for the prefill role)."""
 
 from __future__ import annotations
 
@@ -53,7 +54,12 @@ def add_arguments(parser, role: str = "llm") -> None:
     epd.add_argument("--migration-timeout", type=float, default=30.0,
                      help="seconds an EPD migration (handshake + reads) may take")
     epd.add_argument("--engine-id", default=None,
-                     help="transfer id presented to encoders (default: random)")
+                     help="transfer id presented to peers (default: random)")
+    if role == "prefill":
+        pd = parser.add_argument_group("PD disaggregation (prefill role)")
+        pd.add_argument("--lease-seconds", type=float, default=60.0,
+                        help="how long handed-over KV blocks stay held without the decode "
+                             "engine's ack")
     parser.add_argument("--log-level", default="info",
                         choices=("debug", "info", "warning", "error"))
 
@@ -81,7 +87,15 @@ def engine_config_from_args(args) -> Any:
         transfer_host=_data_plane_host(args.host),
         migration_timeout_s=args.migration_timeout,
         engine_id=args.engine_id,
+        role=getattr(args, "role", "llm"),
+        lease_seconds=getattr(args, "lease_seconds", 60.0),
+        public_url=_public_url(args.host, args.port),
     )
+
+
+def _public_url(host: str, port: int) -> str:
+    host = _data_plane_host(host)
+    return f"http://{'[' + host + ']' if ':' in host else host}:{port}"
 
 
 def _data_plane_host(host: str) -> str:

@@ -27,6 +27,7 @@ from typing import Any
 from epd.errors import EPDError, invalid_request, not_found
 from epd.llm.metrics import RequestTracker, ServerMetrics
 from epd.llm.outputs import RequestOutput
+from epd.llm.pd.serving import check_role, prepare_decode_chat
 from epd.llm.sampling_params import SamplingParams
 from epd.llm.sequence import MMItem, TokenLogprob
 from epd.protocol import (
@@ -63,6 +64,8 @@ class EngineRequest:
     mm_items: list[MMItem] = field(default_factory=list)
     prompt_param: str = "messages"
     epd: Any = None  # epd.llm.migration.EPDRequest for requests with encoder_result
+    prefill_only: bool = False  # prefill role: hand the KV over after the first token
+    migration: Any = None  # decode role: the prefill's epd.protocol.MigrationRequest
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -83,6 +86,16 @@ class Collected:
     timings: dict[str, float] | None = None
 
 
+def _extras(ereq: EngineRequest) -> dict[str, Any]:
+    """The optional keyword arguments of `AsyncLLMEngine.generate` this request needs."""
+    extras: dict[str, Any] = {"epd": ereq.epd} if ereq.epd else {}
+    if ereq.prefill_only:
+        extras["prefill_only"] = True
+    if ereq.migration is not None:
+        extras["migration"] = ereq.migration
+    return extras
+
+
 class EPDChatCompletionResponse(ChatCompletionResponse):
     epd_timings: dict[str, float] | None = None
 
@@ -100,8 +113,10 @@ class OpenAIServing:
         metrics: ServerMetrics,
         max_model_len: int,
         block_size: int,
+        role: str = "llm",
     ) -> None:
         self.engine = engine
+        self.role = role
         self.served_model_name = served_model_name
         self.vision = vision
         self.media_config = media_config
@@ -123,7 +138,9 @@ class OpenAIServing:
 
     async def prepare_chat(self, req: ChatCompletionRequest) -> EngineRequest:
         self.check_model(req.model)
-        self._refuse_pd(req)
+        check_role(self.role, req)
+        if self.role == "decode":
+            return await prepare_decode_chat(self, req)
         if req.encoder_result is not None:
             return await self._prepare_epd_chat(req)
         from epd.encoder.media import collect_image_parts, load_images
@@ -187,7 +204,7 @@ class OpenAIServing:
 
     def prepare_completion(self, req: CompletionRequest) -> EngineRequest:
         self.check_model(req.model)
-        self._refuse_pd(req)
+        check_role(self.role, req)
         if isinstance(req.prompt, str):
             try:  # exactly as the HF processor tokenizes a raw prompt
                 ids = list(self.processor.tokenize(req.prompt, []).token_ids)
@@ -199,17 +216,9 @@ class OpenAIServing:
             if bad:
                 raise invalid_request(f"token id {bad[0]} is outside the vocabulary", "prompt")
             ids = list(req.prompt)
-        return self._finish_prepare(new_id("cmpl"), ids, req, "prompt", [])
-
-    @staticmethod
-    def _refuse_pd(req: Any) -> None:
-        if req.migration_request is not None or req.prefill_only:
-            param = "migration_request" if req.migration_request is not None else "prefill_only"
-            raise invalid_request(
-                f"{param} (prefill/decode disaggregation) needs a server started with "
-                "--role prefill / --role decode; this is --role llm",
-                param,
-            )
+        ereq = self._finish_prepare(new_id("cmpl"), ids, req, "prompt", [])
+        ereq.migration = req.migration_request
+        return ereq
 
     def _finish_prepare(
         self, rid: str, ids: list[int], req: Any, prompt_param: str, mm_items: list[MMItem]
@@ -242,7 +251,8 @@ class OpenAIServing:
                 "max_tokens",
                 "context_length_exceeded",
             )
-        need = -(-(n + max_tokens) // self.block_size)
+        # A prefill engine holds the prompt only; decoding happens elsewhere.
+        need = -(-(n + (0 if self.role == "prefill" else max_tokens)) // self.block_size)
         if need > total_blocks:
             raise invalid_request(
                 f"the prompt ({n} tokens) + max_tokens ({max_tokens}) needs {need} KV blocks of "
@@ -264,7 +274,8 @@ class OpenAIServing:
             n=opts["n"],
         )
         sampling.validate(None, n, prompt_param)
-        return EngineRequest(rid, ids, sampling, mm_items, prompt_param)
+        return EngineRequest(rid, ids, sampling, mm_items, prompt_param,
+                             prefill_only=self.role == "prefill")
 
     # -- engine outputs -> OpenAI ----------------------------------------------------
     def token_str(self, token_id: int) -> str:
@@ -307,11 +318,11 @@ class OpenAIServing:
         try:
             async for o in self.engine.generate(
                 ereq.request_id, ereq.prompt_token_ids, ereq.sampling, ereq.mm_items,
-                prompt_param=ereq.prompt_param, **({"epd": ereq.epd} if ereq.epd else {}),
+                prompt_param=ereq.prompt_param, **_extras(ereq),
             ):
                 tracker.on_tokens(len(o.new_token_ids))
-                if o.finished:
-                    finish_reason = o.finish_reason
+                if o.finished:  # a prefill's hand-over ends without an OpenAI reason
+                    finish_reason = o.finish_reason or ("migrated" if o.migration else "abort")
                 yield o
                 if o.finished:
                     return

@@ -96,8 +96,23 @@ class ReleaseResponse(_Wire):
     released: int = Field(ge=0)
 
 
+class MMSpanRef(_Wire):
+    """An image's placeholder span in a migrated prompt (the decode engine has no image)."""
+
+    offset: int = Field(ge=0)
+    length: int = Field(gt=0)
+    mm_hash: str = Field(min_length=1)
+
+
 class MigrationRequest(_Wire):
-    """A finished prefill's KV blocks, for the decode engine to pull (PD migration)."""
+    """A finished prefill's KV blocks, for the decode engine to pull (PD migration).
+
+    `block_ids[i]` holds prompt tokens `[i * block_size, (i + 1) * block_size)`. The
+    optional `prompt_token_ids` / `mm_spans` describe the prompt the prefill computed, so
+    the decode engine can check that the client's body gives the same prompt and place
+    image spans without the images; `first_token_top_logprobs` are `[token id, logprob]`
+    pairs when the request asked for top logprobs.
+    """
 
     engine_id: str = Field(min_length=1)
     engine_url: HttpBaseURL
@@ -111,9 +126,20 @@ class MigrationRequest(_Wire):
     first_token: int = Field(ge=0)
     first_token_logprob: float | None = None
     kv_layout: dict[str, Any]  # KV_LAYOUT_KEYS; the consumer checks it against its own
+    first_token_top_logprobs: list[tuple[int, float]] = Field(default_factory=list)
+    prompt_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
+    mm_spans: list[MMSpanRef] = Field(default_factory=list)
+    num_cached_tokens: int = Field(0, ge=0)  # prefix-cache hit on the prefill side
+    lease_expires_at: float | None = None  # Unix time
 
     @model_validator(mode="after")
     def _consistent(self) -> MigrationRequest:
+        if self.prompt_token_ids is not None and len(self.prompt_token_ids) != self.num_tokens:
+            _fail("MigrationRequest", "prompt_token_ids",
+                  f"has {len(self.prompt_token_ids)} ids, num_tokens is {self.num_tokens}")
+        for span in self.mm_spans:
+            if span.offset + span.length > self.num_tokens:
+                _fail("MigrationRequest", "mm_spans", "an image span lies outside the prompt")
         missing = [k for k in KV_LAYOUT_KEYS if k not in self.kv_layout]
         if missing:
             _fail("MigrationRequest", "kv_layout", f"missing keys {missing}", value=self.kv_layout)

@@ -5,6 +5,7 @@ peer's blocks over the transfer layer, with deadlines and acks) and its E -> P u
 from __future__ import annotations
 
 from epd.llm.migration.epd_migration import POOL_NAME, EPDMigrations
+from epd.llm.migration.hub import TransferHub
 from epd.llm.migration.migrator import AckOnDone, BlockMigrator, MigrationEvent, MigrationJob
 from epd.llm.migration.validate import (
     EPDImage,
@@ -23,6 +24,7 @@ __all__ = [
     "EPDRequest",
     "MigrationEvent",
     "MigrationJob",
+    "TransferHub",
     "check_encoder_results",
     "epd_prompt",
     "pool_check",

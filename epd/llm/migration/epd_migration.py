@@ -6,8 +6,8 @@ Invariants:
   `release` when a sequence ends); the `BlockMigrator` thread only connects, reads and
   polls. So every status change (WAITING_EPD_MIGRATION -> RUNNING_EPD_MIGRATION ->
   EPD_MIGRATION_LOCKED -> WAITING) and every MMCache call happens on one thread.
-- The LLM-side pool is one `MMCache` registered once with the transfer engine (both
-  created lazily, on the first EPD request). Features are keyed by `mm_hash`: an image
+- The LLM-side pool is one `MMCache` registered once with the engine's shared transfer
+  engine (`TransferHub`; both created lazily, on the first EPD request). Features are keyed by `mm_hash`: an image
   already resident needs no read; one being read for another request is waited for.
 - Refs: a sequence holds one ref per image until it ends (its features stay valid across
   preemption). A read job holds one more ref on each entry it fills, dropped only after
@@ -29,7 +29,8 @@ from typing import Any
 import torch
 
 from epd.errors import EPDError, invalid_request, service_unavailable, upstream_error
-from epd.llm.migration.migrator import BlockMigrator, MigrationJob
+from epd.llm.migration.hub import TransferHub
+from epd.llm.migration.migrator import MigrationJob
 from epd.llm.migration.rows import allocate_all, entry_rows, row_ids
 from epd.llm.migration.validate import EPDImage, pool_check
 from epd.statemachine import SeqStatus, transition
@@ -62,16 +63,13 @@ class _Job:
 
 class EPDMigrations:
     def __init__(self, config: Any, *, hidden_size: int, dtype: torch.dtype,
-                 notify: Any = lambda: None) -> None:
+                 notify: Any = lambda: None, hub: TransferHub | None = None) -> None:
         self.config = config
         self.hidden_size = hidden_size
         self.dtype = dtype
         self.dtype_name = str(dtype).removeprefix("torch.")
-        self._notify = notify
+        self.hub = hub if hub is not None else TransferHub(config, notify=notify)
         self.cache: Any = None
-        self.transfer: Any = None
-        self.migrator: BlockMigrator | None = None
-        self.handshake: Any = None  # BlockMigrator handshake factory (None: HTTP)
         self._states: dict[str, _State] = {}
         self._jobs: dict[str, _Job] = {}
         self._blocked_since: dict[str, float] = {}
@@ -89,32 +87,41 @@ class EPDMigrations:
             return c.mm_num_blocks
         return max(1, c.mm_cache_memory_bytes // (c.mm_block_tokens * self.row_nbytes))
 
+    # The shared transfer engine and migrator (see TransferHub).
+    @property
+    def handshake(self) -> Any:
+        return self.hub.handshake
+
+    @handshake.setter
+    def handshake(self, factory: Any) -> None:
+        self.hub.handshake = factory
+
+    @property
+    def migrator(self) -> Any:
+        return self.hub.migrator
+
+    @property
+    def transfer(self) -> Any:
+        return self.hub.transfer
+
     def start(self) -> None:
-        """Create the feature pool, the transfer engine and the migrator (idempotent)."""
-        if self.migrator is not None:
+        """Create the feature pool and register it with the hub's transfer engine
+        (starting the hub first; idempotent)."""
+        if self.cache is not None:
             return
         from epd.mmcache import MMCache
-        from epd.transfer import create_transfer_engine
 
         c = self.config
         cache = MMCache(self.num_blocks, c.mm_block_tokens, self.hidden_size, self.dtype,
                         device="cpu")
-        transfer = create_transfer_engine(c.transfer, c.transfer_host, engine_id=c.engine_id)
-        try:
-            transfer.register_pool(POOL_NAME, cache.tensor)
-            extra = {"handshake": self.handshake} if self.handshake is not None else {}
-            self.migrator = BlockMigrator(transfer, notify=self._notify, **extra)
-        except BaseException:
-            transfer.close()
-            raise
-        self.cache, self.transfer = cache, transfer
+        self.hub.register_pool(POOL_NAME, cache.tensor)
+        self.cache = cache
         logger.info("EPD migration: %s transfer %s, feature pool %d blocks x %d tokens",
-                    transfer.name, transfer.engine_id, cache.num_blocks, cache.block_tokens)
+                    self.transfer.name, self.transfer.engine_id, cache.num_blocks,
+                    cache.block_tokens)
 
     def close(self) -> None:
-        if self.migrator is not None:
-            self.migrator.close()
-            self.transfer.close()  # tears endpoints down: no read is in flight after this
+        self.hub.close()  # tears endpoints down: no read is in flight after this
 
     # -- the engine thread -----------------------------------------------------------
     @property
@@ -126,15 +133,16 @@ class EPDMigrations:
         return request_id in self._blocked_since
 
     def has_events(self) -> bool:
-        return self.migrator is not None and self.migrator.has_events()
+        return self.hub.has_events()
 
-    def advance(self, waiting: list[Any]) -> list[tuple[Any, EPDError]]:
-        """Apply migration events, start migrations for `waiting` (WAITING_EPD_MIGRATION
+    def advance(self, waiting: list[Any], events: list[Any] | None = None
+                ) -> list[tuple[Any, EPDError]]:
+        """Apply migration events (`events`: the hub's, drained by the caller; None:
+        drain them here), start migrations for `waiting` (WAITING_EPD_MIGRATION
         sequences) and move finished ones to WAITING. Returns the sequences that failed."""
         failed: list[tuple[Any, EPDError]] = []
-        if self.migrator is not None:
-            for ev in self.migrator.events():
-                self._on_event(ev)
+        for ev in self.hub.events() if events is None else events:
+            self._on_event(ev)
         for seq in waiting:
             if seq.request_id not in self._states:
                 err = self._begin(seq)
