@@ -170,3 +170,22 @@ def test_cpu_decode_kernel_matches_sdpa_backend_with_padded_group():
         expect = naive(q[i : i + 1], k, v, k.shape[0] - 1)
         torch.testing.assert_close(out_cpu[i : i + 1], expect, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(out_cpu, out_sdpa, atol=1e-5, rtol=1e-5)
+
+
+def test_block_tables_longer_than_the_context_are_cut():
+    """A sequence may hold blocks beyond its context (PD reserves the full length):
+    metadata must use only the blocks covering the context, for decodes and prefills."""
+    cache = make_cache()
+    backend = get_backend("cpu")
+    # Two decodes in one group (contexts 6 and 10: 2 and 3 blocks) and one prefill.
+    exact = [BatchEntry([0, 1], 5, 1), BatchEntry([2, 3, 4], 9, 1), BatchEntry([5, 6], 2, 3)]
+    longer = [BatchEntry([0, 1, 9, 10], 5, 1), BatchEntry([2, 3, 4, 11], 9, 1),
+              BatchEntry([5, 6, 12], 2, 3)]
+    m_exact = build_attention_metadata(exact, BS, cache, backend, "cpu")
+    m_long = build_attention_metadata(longer, BS, cache, backend, "cpu")
+    assert [g.block_tables.tolist() for g in m_long.decodes] == [[[0, 1, 0], [2, 3, 4]]]
+    for a, b in zip(m_exact.decodes, m_long.decodes, strict=True):
+        assert torch.equal(a.block_tables, b.block_tables)
+        assert torch.equal(a.key_mask, b.key_mask) and torch.equal(a.kv_rows, b.kv_rows)
+    assert m_long.prefills[0].block_table.tolist() == [[5, 6]]
+    assert torch.equal(m_exact.slot_blocks, m_long.slot_blocks)

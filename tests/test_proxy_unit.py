@@ -6,17 +6,13 @@ from __future__ import annotations
 import asyncio
 import json
 
-import httpx
 import pytest
-from fastapi.testclient import TestClient
+from helpers.proxy_fakes import ENC1, ENC2, LLM, FakeNodes, chat, image, make_client
 
 from epd.proxy.config import ProxyConfig
 from epd.proxy.orchestrator import Encoded, collect_images, remap_param, split_evenly
 from epd.proxy.registry import Node, NodeRegistry, RoleConflict
 from epd.proxy.routing import LeastLoaded, RandomChoice, RoundRobin, make_router
-from epd.proxy.server import create_app
-
-ENC1, ENC2, LLM = "http://enc1:1", "http://enc2:2", "http://llm:3"
 
 
 def nodes(n: int, role: str = "llm") -> list[Node]:
@@ -126,10 +122,6 @@ def test_config_validation():
 # ------------------------------------------------------------------- splitting, mapping
 
 
-def image(url: str) -> dict:
-    return {"type": "image_url", "image_url": {"url": url}}
-
-
 def test_collect_images_in_order_with_params():
     body = {
         "messages": [
@@ -173,83 +165,10 @@ def test_remap_param_and_attach():
 # ------------------------------------------------------- the app against fake nodes
 
 
-class FakeNodes:
-    """Encoders and an LLM node behind httpx.MockTransport; records every call."""
-
-    def __init__(self) -> None:
-        self.calls: list[tuple[str, str, dict]] = []
-        self.down: set[str] = set()
-        self.encoder_error: tuple[int, dict] | None = None
-        self.llm_status, self.llm_body = 200, None
-        self.broken_stream = False
-
-    async def __call__(self, request: httpx.Request) -> httpx.Response:
-        base = f"{request.url.scheme}://{request.url.host}:{request.url.port}"
-        body = json.loads(request.content) if request.content else {}
-        self.calls.append((base, request.url.path, body))
-        if base in self.down:
-            raise httpx.ConnectError("connection refused", request=request)
-        if request.url.path == "/v1/encode":
-            if self.encoder_error:
-                return httpx.Response(self.encoder_error[0], json=self.encoder_error[1])
-            images = [
-                {"mm_hash": p["image_url"]["url"], "lease_id": f"{base}|{p['image_url']['url']}"}
-                for p in body["content"]
-            ]
-            return httpx.Response(
-                200, json={"encoder_result": {"encoder_url": base, "images": images}}
-            )
-        if request.url.path == "/v1/encode/release":
-            return httpx.Response(200, json={"released": len(body["lease_ids"])})
-        if request.url.path == "/v1/chat/completions":
-            if self.llm_status != 200:
-                return httpx.Response(self.llm_status, json=self.llm_body)
-            if body.get("stream"):
-                return httpx.Response(
-                    200, content=self._sse(), headers={"content-type": "text/event-stream"}
-                )
-            reply = {
-                "choices": [{"message": {"content": "ok"}}],
-                "epd_timings": {"epd_migration": 0.01},
-            }
-            return httpx.Response(200, json=reply)
-        return httpx.Response(404, json={"error": {"message": "nope"}})
-
-    async def _sse(self):
-        for word in ("a", "b"):
-            yield f'data: {{"choices":[{{"delta":{{"content":"{word}"}}}}]}}\n\n'.encode()
-        if self.broken_stream:
-            raise httpx.ReadError("peer closed")
-        yield b'data: {"choices":[],"usage":{"completion_tokens":2},"epd_timings":{"prefill":0.5}}\n\n'
-        yield b"data: [DONE]\n\n"
-
-    def released(self) -> list[str]:
-        return sorted(
-            i for _, p, b in self.calls if p == "/v1/encode/release" for i in b["lease_ids"]
-        )
-
-    def llm_bodies(self) -> list[dict]:
-        return [b for _, p, b in self.calls if p == "/v1/chat/completions"]
-
-
-async def _always_healthy(node: Node) -> None:
-    return None
-
-
 @pytest.fixture
 def fake():
     return FakeNodes()
 
-
-def make_client(fake: FakeNodes, nodes=((ENC1, "encoder"), (ENC2, "encoder"), (LLM, "llm")), **kw):
-    cfg = ProxyConfig(nodes=tuple(nodes), health_interval_s=60, **kw)
-    app = create_app(cfg, transport=httpx.MockTransport(fake), health_fn=_always_healthy)
-    return TestClient(app)
-
-
-def chat(*urls: str, stream: bool = False) -> dict:
-    content = [image(u) for u in urls] + [{"type": "text", "text": "what?"}]
-    return {"model": "m", "messages": [{"role": "user", "content": content}], "stream": stream}
 
 
 def test_text_request_goes_straight_to_llm(fake):
@@ -394,223 +313,3 @@ def test_nodes_endpoints(fake):
         assert c.get("/health").json()["nodes"]["llm"] == {"healthy": 1, "total": 1}
         assert c.post("/nodes/remove", json={"url": "http://x:9"}).json()["removed"] is True
         assert c.get("/nodes").json() == {"nodes": []}
-
-
-# ------------------------------------------------- PD mode: [E ->] P -> D against fakes
-
-P1, D1, D2 = "http://p1:4", "http://d1:5", "http://d2:6"
-
-
-class FakePD(FakeNodes):
-    """Adds prefill nodes (host p*) and decode nodes (host d*) to FakeNodes."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.prefill_status, self.prefill_body = 200, None
-        self.decode_status, self.decode_body = 200, None
-        self.leases = 0
-
-    async def __call__(self, request: httpx.Request) -> httpx.Response:
-        host = request.url.host
-        if host.startswith(("p", "d")) and request.url.path != "/health":
-            base = f"{request.url.scheme}://{host}:{request.url.port}"
-            body = json.loads(request.content) if request.content else {}
-            self.calls.append((base, request.url.path, body))
-            if base in self.down:
-                raise httpx.ConnectError("connection refused", request=request)
-            return self._prefill(base, body) if host.startswith("p") else self._decode(body)
-        return await super().__call__(request)
-
-    def _prefill(self, base: str, body: dict) -> httpx.Response:
-        if body.get("lease_ids") is not None:
-            return httpx.Response(200, json={"released": len(body["lease_ids"])})
-        assert body["prefill_only"] is True and body["stream"] is False
-        if self.prefill_status != 200:
-            return httpx.Response(self.prefill_status, json=self.prefill_body)
-        self.leases += 1
-        migration = {"lease_id": f"{base}|L{self.leases}", "first_token": 7}
-        return httpx.Response(200, json={"id": "p", "migration_request": migration})
-
-    def _decode(self, body: dict) -> httpx.Response:
-        assert "migration_request" in body and "prefill_only" not in body
-        if self.decode_status != 200:
-            return httpx.Response(self.decode_status, json=self.decode_body)
-        if body.get("stream"):
-            return httpx.Response(
-                200, content=self._sse(), headers={"content-type": "text/event-stream"}
-            )
-        reply = {"choices": [{"message": {"content": "pd"}}], "epd_timings": {"pd_migration": 0.02}}
-        return httpx.Response(200, json=reply)
-
-    def bodies(self, base: str, path: str = "/v1/chat/completions") -> list[dict]:
-        return [b for u, p, b in self.calls if u == base and p == path]
-
-    def prefill_released(self) -> list[str]:
-        return [i for u, p, b in self.calls if p == "/v1/prefill/release" for i in b["lease_ids"]]
-
-
-PD_NODES = ((ENC1, "encoder"), (P1, "prefill"), (D1, "decode"))
-
-
-@pytest.fixture
-def fpd():
-    return FakePD()
-
-
-def text_chat(stream: bool = False, **extra) -> dict:
-    return {
-        "model": "m",
-        "messages": [{"role": "user", "content": "hi"}],
-        "stream": stream,
-        **extra,
-    }
-
-
-def test_pd_text_goes_prefill_then_decode(fpd):
-    body = text_chat(stream=False, max_tokens=5)
-    with make_client(fpd, nodes=PD_NODES) as c:
-        r = c.post("/v1/chat/completions", json=body)
-        metrics = c.get("/metrics").text
-    assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == "pd"
-    assert [(u, p) for u, p, _ in fpd.calls] == [
-        (P1, "/v1/chat/completions"),
-        (D1, "/v1/chat/completions"),
-    ]
-    (pbody,) = fpd.bodies(P1)
-    assert pbody == {**body, "prefill_only": True, "stream": False}
-    (dbody,) = fpd.bodies(D1)
-    assert dbody == {**body, "migration_request": {"lease_id": f"{P1}|L1", "first_token": 7}}
-    assert fpd.prefill_released() == []
-    assert 'epd_proxy_requests_total{path="pd"} 1.0' in metrics
-    assert "epd_proxy_prefill_seconds_count 1.0" in metrics
-    assert 'epd_proxy_migrate_seconds_count{kind="pd"} 1.0' in metrics
-
-
-def test_pd_image_goes_encoder_prefill_decode_stream(fpd):
-    body = {**chat("a", stream=True), "stream_options": {"include_usage": True}}
-    with make_client(fpd, nodes=PD_NODES) as c:
-        r = c.post("/v1/chat/completions", json=body)
-        metrics = c.get("/metrics").text
-    events = [ln for ln in r.text.split("\n\n") if ln]
-    assert events[-1] == "data: [DONE]" and len(events) == 4 and "lease_id" not in r.text
-    assert [p for _, p, _ in fpd.calls] == ["/v1/encode"] + ["/v1/chat/completions"] * 2
-    (pbody,) = fpd.bodies(P1)
-    assert pbody["encoder_result"]["images"][0]["mm_hash"] == "a"
-    assert "stream_options" not in pbody and pbody["stream"] is False
-    (dbody,) = fpd.bodies(D1)
-    assert "encoder_result" not in dbody and dbody["stream_options"] == body["stream_options"]
-    assert dbody["stream"] is True and dbody["messages"] == body["messages"]
-    assert fpd.released() == [] and fpd.prefill_released() == []
-    assert 'epd_proxy_requests_total{path="epd_pd"} 1.0' in metrics
-
-
-def test_pd_refuses_n_above_one(fpd):
-    with make_client(fpd, nodes=PD_NODES) as c:
-        r = c.post("/v1/chat/completions", json=text_chat(n=2))
-        assert r.status_code == 400 and r.json()["error"]["param"] == "n"
-        assert c.post("/v1/chat/completions", json=text_chat(n=1)).status_code == 200
-    assert len(fpd.calls) == 2
-
-
-@pytest.mark.parametrize(
-    "mode,nodes,expect",
-    [
-        ("auto", ((LLM, "llm"), (P1, "prefill"), (D1, "decode")), [LLM]),
-        ("pd", ((LLM, "llm"), (P1, "prefill"), (D1, "decode")), [P1, D1]),
-        ("auto", ((P1, "prefill"), (D1, "decode")), [P1, D1]),
-        ("colocated", ((LLM, "llm"), (P1, "prefill"), (D1, "decode")), [LLM]),
-    ],
-)
-def test_mode_picks_the_path(fpd, mode, nodes, expect):
-    with make_client(fpd, nodes=nodes, mode=mode) as c:
-        assert c.post("/v1/chat/completions", json=text_chat()).status_code == 200
-    assert [u for u, _, _ in fpd.calls] == expect
-
-
-def test_pd_missing_roles_are_503(fpd):
-    with make_client(fpd, nodes=((P1, "prefill"),)) as c:
-        r = c.post("/v1/chat/completions", json=text_chat())
-        assert r.status_code == 503 and "'decode'" in r.json()["error"]["message"]
-    with make_client(fpd, nodes=((P1, "prefill"), (D1, "decode"))) as c:
-        r = c.post("/v1/chat/completions", json=chat("a"))
-        assert r.status_code == 503 and "'encoder'" in r.json()["error"]["message"]
-    with make_client(fpd, nodes=((P1, "prefill"), (D1, "decode")), mode="colocated") as c:
-        r = c.post("/v1/chat/completions", json=text_chat())
-        assert r.status_code == 503 and "'llm'" in r.json()["error"]["message"]
-    assert fpd.calls == []
-
-
-@pytest.mark.parametrize(
-    "failure,status,code",
-    [
-        ("down", 502, "prefill_failed"),
-        (500, 502, "prefill_failed"),
-        (400, 400, None),
-        (503, 503, "service_unavailable"),
-        ("malformed", 502, "prefill_failed"),
-    ],
-)
-def test_prefill_failure_releases_encoder_leases(fpd, failure, status, code):
-    err = {"error": {"message": "no", "type": "x", "param": None, "code": code}}
-    if failure == "down":
-        fpd.down.add(P1)
-    elif failure == "malformed":
-        fpd.prefill_status, fpd.prefill_body = 200, None
-        fpd._prefill = lambda base, body: httpx.Response(200, json={"id": "p"})
-    else:
-        fpd.prefill_status, fpd.prefill_body = failure, err
-    with make_client(fpd, nodes=PD_NODES) as c:
-        r = c.post("/v1/chat/completions", json=chat("a", "b"))
-    assert r.status_code == status and r.json()["error"]["code"] == code
-    if status == 502:
-        assert "prefill stage failed" in r.json()["error"]["message"]
-    else:
-        assert r.json() == err  # P's own answer, unchanged
-    assert fpd.released() == [f"{ENC1}|a", f"{ENC1}|b"]
-    assert fpd.bodies(D1) == [] and fpd.prefill_released() == []
-
-
-@pytest.mark.parametrize(
-    "failure,status,code",
-    [("down", 502, "decode_failed"), (500, 502, "decode_failed"), (400, 400, None)],
-)
-@pytest.mark.parametrize("stream", [False, True])
-def test_decode_failure_releases_the_prefill_lease(fpd, failure, status, code, stream):
-    err = {"error": {"message": "no", "type": "x", "param": "max_tokens", "code": None}}
-    if failure == "down":
-        fpd.down.add(D1)
-    else:
-        fpd.decode_status, fpd.decode_body = failure, err
-    with make_client(fpd, nodes=PD_NODES) as c:
-        r = c.post("/v1/chat/completions", json=text_chat(stream=stream))
-    assert r.status_code == status and r.json()["error"]["code"] == code
-    if status == 502:
-        assert "decode stage failed" in r.json()["error"]["message"]
-    else:
-        assert r.json() == err
-    assert fpd.prefill_released() == [f"{P1}|L1"]
-
-
-def test_decode_dies_mid_stream_then_traffic_moves_to_other_decode(fpd):
-    async def health(node: Node) -> None:
-        if node.url in fpd.down:
-            raise ConnectionError("refused")
-
-    cfg = ProxyConfig(nodes=((P1, "prefill"), (D1, "decode"), (D2, "decode")), health_interval_s=60)
-    app = create_app(cfg, transport=httpx.MockTransport(fpd), health_fn=health)
-    fpd.broken_stream = True
-    with TestClient(app) as c:
-        r = c.post("/v1/chat/completions", json=text_chat(stream=True))
-        events = [ln for ln in r.text.split("\n\n") if ln]
-        assert events[-1] == "data: [DONE]"
-        err = json.loads(events[-2].removeprefix("data: "))["error"]
-        assert err["code"] == "decode_failed" and "broken stream" in err["message"]
-        assert fpd.prefill_released() == [f"{P1}|L1"]
-        fpd.down.add(D1)  # the killed decode node stops answering health checks
-        c.portal.call(c.app.state.proxy.registry.check_all)
-        d1 = next(n for n in c.get("/nodes").json()["nodes"] if n["url"] == D1)
-        assert not d1["healthy"] and d1["consecutive_failures"] == 2
-        fpd.broken_stream = False
-        for _ in range(2):
-            assert c.post("/v1/chat/completions", json=text_chat()).status_code == 200
-    assert [u for u, p, _ in fpd.calls if u in (D1, D2)] == [D1, D2, D2]

@@ -16,7 +16,7 @@ import epd.transfer as tr
 PROTOCOL_NAMES = """
 DTYPES KV_LAYOUT_KEYS SSE_DONE Ack AckAddress HttpBaseURL TextPart ImageURL ImagePart
 ContentPart Content Message ImageFeatureRef EncoderResult EncodeRequest EncodeResponse
-ReleaseRequest ReleaseResponse MigrationRequest kv_layout_mismatch StreamOptions
+ReleaseRequest ReleaseResponse MigrationRequest MMSpanRef kv_layout_mismatch StreamOptions
 ChatCompletionRequest PromptInput CompletionRequest FinishReason new_id PromptTokensDetails
 Usage TopLogprob TokenLogprob ChoiceLogprobs ChatCompletionMessage ChatCompletionChoice
 ChatCompletionResponse DeltaMessage ChatChunkChoice ChatCompletionChunk CompletionLogprobs

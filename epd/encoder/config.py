@@ -6,27 +6,12 @@ known, the bound port) live in the engine/server, not here.
 
 from __future__ import annotations
 
-import re
 import uuid
 from dataclasses import dataclass, field
 
 TRANSFER_KINDS = ("auto", "tcp", "rdma", "nvlink")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEFAULT_MM_CACHE_MEMORY = 256 * 1024**2
-
-_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)
-_UNITS = {"": 1, "k": 1024, "m": 1024**2, "g": 1024**3, "t": 1024**4}
-
-
-def parse_bytes(text: str | int) -> int:
-    """'256MiB', '1.5G', '4096' -> bytes (binary units: k/m/g/t mean KiB/MiB/GiB/TiB)."""
-    if isinstance(text, int):
-        return text
-    m = _SIZE_RE.match(str(text))
-    if m is None:
-        raise ValueError(f"not a byte size: {text!r} (e.g. 4096, 64MiB, 2GiB)")
-    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
-
 
 @dataclass(frozen=True)
 class EncoderConfig:

@@ -33,11 +33,11 @@ from epd.encoder.config import (
     DTYPES,
     TRANSFER_KINDS,
     EncoderConfig,
-    parse_bytes,
 )
 from epd.encoder.engine import EncoderEngine
 from epd.encoder.media import MediaConfig, collect_content_image_parts, load_images
 from epd.errors import install_error_handlers, invalid_request
+from epd.netutil import parse_bytes, register_with_proxy
 from epd.protocol import (
     EncodeRequest,
     EncodeResponse,
@@ -108,25 +108,6 @@ def media_config(config: EncoderConfig) -> MediaConfig:
     )
 
 
-async def register_with_proxy(proxy_url: str, url: str, role: str = "encoder") -> None:
-    """POST {proxy}/nodes/add until it succeeds (capped exponential backoff)."""
-    delay = 0.5
-    async with httpx.AsyncClient(timeout=5.0) as client:
-        while True:
-            try:
-                resp = await client.post(
-                    f"{proxy_url.rstrip('/')}/nodes/add", json={"url": url, "role": role}
-                )
-                if resp.status_code < 300:
-                    logger.info("registered %s as %s with the proxy %s", url, role, proxy_url)
-                    return
-                logger.warning("proxy %s refused registration: %s", proxy_url, resp.status_code)
-            except httpx.HTTPError as exc:
-                logger.info("proxy %s not reachable yet (%s); retrying", proxy_url, exc)
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, 10.0)
-
-
 def create_app(config: EncoderConfig, engine: EncoderEngine | None = None) -> FastAPI:
     from epd.transfer import create_transfer_engine
     from epd.transfer.acks import AckListener
@@ -156,7 +137,8 @@ def create_app(config: EncoderConfig, engine: EncoderEngine | None = None) -> Fa
         state["client"] = httpx.AsyncClient(timeout=media.fetch_timeout_s)
         tasks = []
         if config.proxy_url:
-            tasks.append(asyncio.create_task(register_with_proxy(config.proxy_url, config.url)))
+            tasks.append(asyncio.create_task(register_with_proxy(config.proxy_url, config.url, "encoder", attempts=None)
+            ))
         logger.info(
             "encoder %s serving on %s (transfer %s, pool %r, acks at %s)",
             config.encoder_id, config.url, transfer.name, config.pool_name, acks.address,

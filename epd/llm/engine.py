@@ -214,7 +214,7 @@ class LLMEngine(PDEngineMixin):
         for s in sched.scheduled:
             transition(s.seq, SeqStatus.LOCKED)
         try:
-            logits = self.runner.execute(sched.scheduled, self._block_table)
+            logits = self.runner.execute(sched.scheduled, self.blocks.block_table)
         except Exception as exc:  # keep serving: fail only this batch
             logger.exception("forward pass failed")
             return outputs + self._fail(sched, exc)

@@ -27,16 +27,15 @@ import json
 import logging
 import os
 import signal
-import socket
 import sys
 from collections.abc import AsyncIterator, Awaitable
 from pathlib import Path
 from typing import Any, TypeVar
 
-import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from epd import netutil
 from epd.errors import install_error_handlers
 from epd.llm.metrics import ServerMetrics
 from epd.llm.pd.serving import add_pd_routes, prefill_response
@@ -104,27 +103,6 @@ def _count_errors(app: FastAPI, metrics: ServerMetrics) -> None:
         app.exception_handlers[exc_class] = counting
 
 
-async def register_with_proxy(proxy_url: str, my_url: str, role: str, attempts: int = 10) -> bool:
-    delay = 0.5
-    for attempt in range(1, attempts + 1):
-        try:
-            async with httpx.AsyncClient(timeout=5.0) as client:
-                r = await client.post(f"{proxy_url.rstrip('/')}/nodes/add",
-                                      json={"url": my_url, "role": role})
-            if r.status_code < 300:
-                logger.info("registered with proxy %s as %s (%s)", proxy_url, my_url, role)
-                return True
-            logger.warning("proxy %s refused registration: HTTP %s %s", proxy_url,
-                           r.status_code, r.text[:200])
-        except httpx.HTTPError as exc:
-            logger.warning("proxy %s unreachable (attempt %d/%d): %r", proxy_url, attempt,
-                           attempts, exc)
-        await asyncio.sleep(delay)
-        delay = min(delay * 2, 10.0)
-    logger.error("could not register with proxy %s; serving anyway", proxy_url)
-    return False
-
-
 def create_app(
     engine: Any,
     *,
@@ -146,7 +124,7 @@ def create_app(
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         task = None
         if proxy_url and public_url:
-            task = asyncio.create_task(register_with_proxy(proxy_url, public_url, role))
+            task = asyncio.create_task(netutil.register_with_proxy(proxy_url, public_url, role))
         try:
             yield
         finally:
@@ -236,12 +214,6 @@ async def _prepend(first: Any, rest: AsyncIterator) -> AsyncIterator:
         await rest.aclose()  # type: ignore[attr-defined]
 
 
-def _public_url(host: str, port: int) -> str:
-    if host in ("0.0.0.0", "::", ""):
-        host = socket.gethostbyname(socket.gethostname())
-    return f"http://{'[' + host + ']' if ':' in host else host}:{port}"
-
-
 def run(args) -> int:
     import uvicorn
 
@@ -269,7 +241,7 @@ def run(args) -> int:
     app = create_app(engine, served_model_name=served, vision=args.vision,
                      media_config=media_config, max_model_len=max_model_len,
                      block_size=config.block_size, role=role, proxy_url=args.proxy_url,
-                     public_url=_public_url(args.host, args.port))
+                     public_url=netutil.public_url(args.host, args.port))
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port,
                                            log_level=args.log_level, lifespan="on",
                                            timeout_graceful_shutdown=5))

@@ -3,19 +3,9 @@
 
 from __future__ import annotations
 
-import re
 from typing import Any
 
-_SIZE_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9,
-               "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
-
-
-def parse_bytes(text: str) -> int:
-    """'256MiB' / '1GiB' / '500MB' / '1048576' -> bytes."""
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", str(text))
-    if not m or m.group(2).lower() not in _SIZE_UNITS:
-        raise ValueError(f"not a size: {text!r} (use e.g. 256MiB, 2GiB or a byte count)")
-    return int(float(m.group(1)) * _SIZE_UNITS[m.group(2).lower()])
+from epd.netutil import advertised_host, parse_bytes, public_url
 
 
 def add_arguments(parser, role: str = "llm") -> None:
@@ -84,27 +74,13 @@ def engine_config_from_args(args) -> Any:
         mm_num_blocks=args.mm_num_blocks,
         mm_cache_memory_bytes=args.mm_cache_memory,
         transfer=args.transfer,
-        transfer_host=_data_plane_host(args.host),
+        transfer_host=advertised_host(args.host),
         migration_timeout_s=args.migration_timeout,
         engine_id=args.engine_id,
         role=getattr(args, "role", "llm"),
         lease_seconds=getattr(args, "lease_seconds", 60.0),
-        public_url=_public_url(args.host, args.port),
+        public_url=public_url(args.host, args.port),
     )
-
-
-def _public_url(host: str, port: int) -> str:
-    host = _data_plane_host(host)
-    return f"http://{'[' + host + ']' if ':' in host else host}:{port}"
-
-
-def _data_plane_host(host: str) -> str:
-    """A concrete address for the data plane (a wildcard HTTP bind advertises this host's)."""
-    if host in ("0.0.0.0", "::", ""):
-        import socket
-
-        return socket.gethostbyname(socket.gethostname())
-    return host
 
 
 def media_config_from_args(args) -> Any:

@@ -23,8 +23,8 @@ class Router(Protocol):
     def choose_many(self, nodes: Sequence[Node], k: int) -> list[Node]: ...
 
 
-class RoundRobin:
-    name = "round_robin"
+class _CursorRouter:
+    """Shared by the cursor-based strategies: `choose` is `choose_many(nodes, 1)`."""
 
     def __init__(self) -> None:
         self._cursor = 0
@@ -34,6 +34,13 @@ class RoundRobin:
         return picked[0] if picked else None
 
     def choose_many(self, nodes: Sequence[Node], k: int) -> list[Node]:
+        raise NotImplementedError
+
+
+class RoundRobin(_CursorRouter):
+    name = "round_robin"
+
+    def choose_many(self, nodes: Sequence[Node], k: int) -> list[Node]:
         if not nodes or k <= 0:
             return []
         start = self._cursor % len(nodes)
@@ -41,17 +48,10 @@ class RoundRobin:
         return [nodes[(start + i) % len(nodes)] for i in range(min(k, len(nodes)))]
 
 
-class LeastLoaded:
+class LeastLoaded(_CursorRouter):
     """Fewest in-flight requests through this proxy; ties go round-robin."""
 
     name = "least_loaded"
-
-    def __init__(self) -> None:
-        self._cursor = 0
-
-    def choose(self, nodes: Sequence[Node]) -> Node | None:
-        picked = self.choose_many(nodes, 1)
-        return picked[0] if picked else None
 
     def choose_many(self, nodes: Sequence[Node], k: int) -> list[Node]:
         if not nodes or k <= 0:

@@ -16,7 +16,10 @@ import torch
 
 @dataclass(frozen=True)
 class BatchEntry:
-    """One sequence in the packed batch: tokens [num_computed, num_computed + num_new)."""
+    """One sequence in the packed batch: tokens [num_computed, num_computed + num_new).
+
+    block_table may hold more blocks than the context needs (a migrated image sequence
+    reserves its whole length); only the first ceil(context / block_size) are used."""
 
     block_table: list[int]
     num_computed: int
@@ -98,7 +101,7 @@ def build_attention_metadata(
         nblocks = [(c + block_size - 1) // block_size for c in ctx]
         for lo, hi in _decode_groups(nblocks):
             width = max(nblocks[lo:hi])
-            padded = [e.block_table[:width] + [0] * (width - nb)
+            padded = [e.block_table[:nb] + [0] * (width - nb)
                       for e, nb in zip(decodes[lo:hi], nblocks[lo:hi], strict=True)]
             ctx_t = torch.tensor(ctx[lo:hi], device=device)
             key_pos = torch.arange(width * block_size, device=device)

@@ -40,13 +40,6 @@ class PDEngineMixin:
     epd: Any
     _counters: dict[str, int]
 
-    def _block_table(self, request_id: str) -> list[int]:
-        """The blocks covering the sequence's tokens (a sequence may hold more: a migrated
-        image sequence reserves its whole length; attention expects exactly these)."""
-        table = self.blocks.block_table(request_id)
-        seq = self.scheduler.seqs[request_id]
-        return table[: self.blocks.blocks_needed(seq.num_tokens)]
-
     def _advance_migrations(self) -> list[RequestOutput]:
         if self.pd_out is not None:
             self.pd_out.advance()
