@@ -4,6 +4,7 @@ import subprocess
 import sys
 
 import pytest
+from helpers.checked import Checked
 
 from epd.llm.block_manager import (
     AllocResult,
@@ -16,26 +17,6 @@ from epd.llm.block_manager import (
 BS = 4
 
 
-class Checked:
-    """Proxy that runs check_integrity() after every method call."""
-
-    def __init__(self, mgr: KVBlockManager) -> None:
-        self.mgr = mgr
-
-    def __getattr__(self, name):
-        attr = getattr(self.mgr, name)
-        if not callable(attr):
-            return attr
-
-        def call(*args, **kwargs):
-            try:
-                return attr(*args, **kwargs)
-            finally:
-                self.mgr.check_integrity()
-
-        return call
-
-
 def make_manager(num_blocks: int = 8, block_size: int = BS, prefix: bool = True):
     mgr = KVBlockManager(num_blocks, block_size, enable_prefix_caching=prefix)
     mgr.check_integrity()
@@ -43,7 +24,7 @@ def make_manager(num_blocks: int = 8, block_size: int = BS, prefix: bool = True)
 
 
 def free_order(m) -> list[int]:
-    return list(m.mgr._free)
+    return list(m.target._free)
 
 
 SYS = list(range(1, 9))  # a two-block "system prompt"
@@ -140,7 +121,7 @@ def test_lru_eviction_keeps_prefixes_longest():
     assert free_order(m) == [3, 4, 5, 6, 7, 2, 1, 0]
     assert m.num_free_blocks == 8 and m.num_used_blocks == 0
     assert m.allocate("c", 24).block_ids == [3, 4, 5, 6, 7, 2]
-    assert m.mgr.num_evictions == 1 and m.num_cached_blocks == 2
+    assert m.target.num_evictions == 1 and m.num_cached_blocks == 2
     # hits 0 and 1 would leave no free block for the 2 fresh ones: nothing changes
     assert m.allocate("d", len(toks), h) is None
     assert free_order(m) == [1, 0] and m.num_cached_blocks == 2

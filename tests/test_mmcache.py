@@ -4,33 +4,11 @@ import threading
 
 import pytest
 import torch
+from helpers.checked import Checked
 
 from epd.mmcache import BlockPool, LeaseTable, MMCache, MMEntry
 
 BT, H = 4, 3
-
-
-class Checked:
-    """Proxy that runs check_integrity() after every method call."""
-
-    def __init__(self, cache: MMCache) -> None:
-        self.cache = cache
-
-    def __getattr__(self, name):
-        attr = getattr(self.cache, name)
-        if not callable(attr):
-            return attr
-
-        def call(*args, **kwargs):
-            try:
-                return attr(*args, **kwargs)
-            finally:
-                self.cache.check_integrity()
-
-        return call
-
-    def __contains__(self, mm_hash: object) -> bool:
-        return mm_hash in self.cache
 
 
 def make_cache(num_blocks: int = 8) -> Checked:
